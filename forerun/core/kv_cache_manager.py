@@ -1,0 +1,119 @@
+"""Per-request KV block bookkeeping on top of the block pool."""
+
+from __future__ import annotations
+
+import logging
+
+from forerun.core.block_pool import BlockPool, KVCacheBlock
+from forerun.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Hands out blocks to requests, finds prefix-cache hits and publishes full blocks.
+
+    A block is published (given its hash) only when every token in it is known *and* a
+    KV write for it has been enqueued: callers pass the frontier they can vouch for.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks; the last token is always recomputed."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        pool = self.block_pool
+        pool.num_cache_queries += request.num_tokens
+        pool.num_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_reserved_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more positions; None if the pool is too full.
+
+        ``num_reserved_tokens`` asks that room for that many further tokens be free too
+        (without taking it), so an admission does not start a prompt it cannot finish.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = max(num_needed, 0)
+        # Touching a free cached block takes it off the free list too.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        reserve = cdiv(total + num_reserved_tokens, self.block_size) - cdiv(total, self.block_size)
+        if num_needed + num_evictable_hits + reserve > self.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_needed)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # At schedule time the KV of every scheduled position is enqueued, so the
+            # frontier is what will be computed, capped at the known ids.
+            self.cache_blocks(request, min(total, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks below ``num_tokens``; monotone and idempotent."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        start = self.num_cached_block.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        if end <= start:
+            return
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, start, end)
+        self.num_cached_block[request.request_id] = end
+
+    def remove_request(self, request: Request) -> list[KVCacheBlock]:
+        """Detach the request's blocks, tail first (so the tail is evicted first)."""
+        self.num_cached_block.pop(request.request_id, None)
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        return list(reversed(blocks))
+
+    def free(self, request: Request) -> None:
+        self.block_pool.free_blocks(self.remove_request(request))
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.block_pool.num_cache_queries
+        return self.block_pool.num_cache_hits / q if q else 0.0

@@ -1,0 +1,404 @@
+"""The synchronous scheduler. Async-aware in the base, so the async subclass stays small."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from forerun.core.block_pool import KVCacheBlock
+from forerun.core.kv_cache_manager import KVCacheManager, cdiv
+from forerun.core.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from forerun.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Limits of one step and of the running set."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    # Park the blocks of a finished/preempted request until every step that may still
+    # write them has been processed. On whenever more than one step can be in flight.
+    defer_block_free: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters the engine reports."""
+
+    steps: int = 0
+    num_preemptions: int = 0
+    wasted_tokens: int = 0
+    num_scheduled_tokens: int = 0
+
+
+class Scheduler:
+    """Decides, step by step, how many tokens of which requests the model computes.
+
+    One rule decides work: a request gets ``num_tokens_with_spec + num_output_placeholders
+    - num_computed_tokens`` new tokens, clamped by the step's token budget (which is what
+    makes prefill chunked). Pass 1 walks running requests; pass 2 admits waiting ones.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_model_len = config.max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
+        self.defer_block_free = config.defer_block_free
+        self.sched_step_seq = 0
+        self.processed_step_seq = 0
+        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        self.stats = SchedulerStats()
+        self._next_step_id = 0
+
+    # ----- requests in and out ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        need = cdiv(request.num_tokens + 1, self.block_size)
+        if need > self.kv_cache_manager.block_pool.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens needs {need} KV blocks but the cache "
+                f"has only {self.kv_cache_manager.block_pool.num_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort). Their in-flight output will be discarded."""
+        assert RequestStatus.is_finished(status)
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def has_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.has_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ----- schedule ---------------------------------------------------------------------
+    def _is_output_surely_done(self, request: Request) -> bool:
+        """True when the steps in flight will already take the request to its end.
+
+        The seed's check (``C + 2 - P >= prompt + max_tokens``) assumes one step in flight;
+        counting promised tokens works at any depth.
+        """
+        if request.num_output_placeholders == 0:
+            return False
+        promised = request.num_output_tokens + request.num_output_placeholders
+        return (
+            promised >= request.max_tokens
+            or request.num_tokens + request.num_output_placeholders >= self.max_model_len
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # Pass 1: running requests, in order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            if self._is_output_surely_done(request):
+                req_index += 1
+                continue
+            n = (
+                request.num_tokens_with_spec
+                + request.num_output_placeholders
+                - request.num_computed_tokens
+            )
+            n = min(n, token_budget, self.max_model_len - request.num_computed_tokens)
+            if n <= 0:
+                req_index += 1
+                continue
+            new_blocks = None
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, n)
+                if new_blocks is not None:
+                    break
+                if self._deferred_blocks_would_fit(request, n):
+                    break  # wait for the fence to release parked blocks instead
+                victim = self.running.pop()
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                if request.status == RequestStatus.PREEMPTED:
+                    break
+                req_index += 1
+                continue
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = n
+            new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
+            token_budget -= n
+            req_index += 1
+
+        # Pass 2: admit waiting requests, unless this step had to preempt.
+        skipped: list[Request] = []
+        if not preempted:
+            while (
+                self.waiting
+                and token_budget > 0
+                and len(self.running) < self.config.max_num_seqs
+            ):
+                request = self.waiting[0]
+                if request.num_stale_output_tokens and not request.drop_stale_output:
+                    # Its stale output is still in flight: resuming now could re-sample a
+                    # position that output will fill.
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+                    if not self._try_promote_blocked(request):
+                        skipped.append(self.waiting.popleft())
+                        continue
+                hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                n = min(request.num_tokens - num_hit, token_budget)
+                remaining = request.num_tokens - num_hit - n
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, n, num_hit, hits, num_reserved_tokens=remaining
+                )
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
+                scheduled_new.append(request)
+                num_scheduled[request.request_id] = n
+                token_budget -= n
+        for request in reversed(skipped):
+            self.waiting.appendleft(request)
+
+        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
+
+    def _try_promote_blocked(self, request: Request) -> bool:
+        """Hook for statuses that wait on something (a grammar); base has none."""
+        return True
+
+    def _deferred_blocks_would_fit(self, request: Request, n: int) -> bool:
+        if not self.deferred_frees:
+            return False
+        parked = sum(len(blocks) for _, blocks in self.deferred_frees)
+        have = len(self.kv_cache_manager.get_blocks(request.request_id))
+        need = cdiv(request.num_computed_tokens + n, self.block_size) - have
+        return need <= self.kv_cache_manager.num_free_blocks + parked
+
+    def _build_output(
+        self,
+        scheduled_new: list[Request],
+        scheduled_running: list[Request],
+        num_scheduled: dict[str, int],
+        new_blocks_of: dict[str, list[int]],
+    ) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        for request in scheduled_new:
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=list(request.all_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    resumed=request.num_preemptions > 0,
+                )
+            )
+        for request in scheduled_running:
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks_of[request.request_id])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        total = sum(num_scheduled.values())
+        out = SchedulerOutput(
+            step_id=self._next_step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+        )
+        self._next_step_id += 1
+        # New sets: the output holds the old ones.
+        self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        if total > 0:
+            self.sched_step_seq += 1
+            self.stats.steps += 1
+            self.stats.num_scheduled_tokens += total
+        self._update_after_schedule(out)
+        return out
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
+            request.last_sched_seq = self.sched_step_seq
+            # A step that stops short of the known end (plus promised tokens) samples nothing.
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
+
+    # ----- preemption and freeing ---------------------------------------------------------
+    def _preempt_request(self, request: Request) -> None:
+        self._release_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.is_prefill_chunk = False
+        # Output of steps still in flight is stale: delivered, but it must not touch the
+        # counters reset here. Assignment, not +=: in-flight already includes any old share.
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.preempted_req_ids.add(request.request_id)
+        logger.debug("preempted %s", request.request_id)
+
+    def _release_blocks(self, request: Request) -> None:
+        blocks = self.kv_cache_manager.remove_request(request)
+        if not blocks:
+            return
+        if self.defer_block_free and request.last_sched_seq > self.processed_step_seq:
+            # Fence on the newest scheduled step: conservative, and keeps the list ordered.
+            self.deferred_frees.append((self.sched_step_seq, blocks))
+        else:
+            self.kv_cache_manager.block_pool.free_blocks(blocks)
+
+    def _drain_deferred_frees(self) -> None:
+        pool = self.kv_cache_manager.block_pool
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            pool.free_blocks(blocks)
+
+    def _free_request(self, request: Request) -> None:
+        self._release_blocks(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ----- outputs ----------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's sampled ids. Called exactly once per step, in FIFO order."""
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            self.processed_step_seq += 1
+            self._drain_deferred_frees()
+        index = model_runner_output.req_id_to_index
+        sampled = model_runner_output.sampled_token_ids
+        outputs: list[EngineCoreOutput] = []
+        stopped_running: set[str] = set()
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                # Finished or aborted while this step ran: the work is thrown away.
+                self.stats.wasted_tokens += n
+                continue
+            request.num_in_flight_tokens -= n
+            is_stale = request.num_stale_output_tokens > 0
+            if is_stale:
+                request.num_stale_output_tokens -= n
+                if request.drop_stale_output:
+                    continue
+            i = index.get(req_id)
+            new_ids = sampled[i] if i is not None else []
+            status_before = request.status
+            new_ids, stopped = self._update_request_with_output(
+                request, new_ids, is_stale, status_before
+            )
+            if stopped:
+                if status_before == RequestStatus.RUNNING:
+                    stopped_running.add(req_id)
+                else:
+                    self.waiting.remove(request)
+                self._free_request(request)
+            if new_ids or stopped:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_ids,
+                        finish_reason=request.get_finished_reason() if stopped else None,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+        if stopped_running:
+            self.running = [r for r in self.running if r.request_id not in stopped_running]
+        return outputs
+
+    def _update_request_with_output(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        is_stale: bool,
+        status_before: RequestStatus,
+    ) -> tuple[list[int], bool]:
+        """Append ids one by one with the stop checks; trims ids after a stop."""
+        params = request.sampling_params
+        for i, token_id in enumerate(new_token_ids):
+            request.append_output_token_ids([token_id])
+            if self._check_stop(request, token_id, params.min_tokens):
+                return new_token_ids[: i + 1], True
+        return new_token_ids, False
+
+    def _check_stop(self, request: Request, token_id: int, min_tokens: int) -> bool:
+        if request.num_output_tokens >= min_tokens:
+            params = request.sampling_params
+            if token_id in params.all_stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                if token_id in (params.stop_token_ids or []):
+                    request.stop_reason = token_id
+                return True
+        if (
+            request.num_tokens >= self.max_model_len
+            or request.num_output_tokens >= request.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> object | None:
+        """Token masks for grammar requests of this step; none without structured output."""
+        return None
+
+    # ----- introspection ----------------------------------------------------------------
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)

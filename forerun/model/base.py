@@ -1,0 +1,102 @@
+"""The interface every forerun model implements, plus shared weight loading."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from forerun.model.attention import AttentionMetadata, KVCache
+from forerun.model.config import ModelConfig
+from forerun.model.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# (fused parameter's module name, row offset, row count) for one checkpoint projection.
+Shard = tuple[str, int, int]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model running over a flat token batch and a paged KV cache.
+
+    Subclasses name their parameters like the Hugging Face checkpoints, except for fused
+    projections, which ``packed_shards`` describes so that ``load_weights`` can fill them.
+    """
+
+    config: ModelConfig
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for the flat batch ``input_ids``/``positions`` ``[T]``."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
+        raise NotImplementedError
+
+    def packed_shards(self) -> dict[str, Shard]:
+        """Checkpoint module name (e.g. ``q_proj``) -> where it lives in a fused parameter."""
+        return {}
+
+    def skip_weight(self, name: str) -> bool:
+        """True for checkpoint tensors that are deliberately not loaded."""
+        return name.endswith("rotary_emb.inv_freq")
+
+    def _checkpoint_target(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        for key, (fused, offset, size) in self.packed_shards().items():
+            marker = f".{key}."
+            if marker in name:
+                return name.replace(marker, f".{fused}."), (offset, size)
+        return name, None
+
+    def expected_weight_names(self) -> set[str]:
+        """Checkpoint names that must all be present for the model to be complete."""
+        by_fused: dict[str, list[str]] = {}
+        for key, (fused, _, _) in self.packed_shards().items():
+            by_fused.setdefault(fused, []).append(key)
+        names: set[str] = set()
+        for pname, _ in self.named_parameters():
+            module_name = pname.rsplit(".", 2)[-2] if pname.count(".") >= 1 else ""
+            if module_name in by_fused:
+                for key in by_fused[module_name]:
+                    names.add(pname.replace(f".{module_name}.", f".{key}."))
+            else:
+                names.add(pname)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, checking shapes."""
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if self.skip_weight(name):
+                continue
+            target, rows = self._checkpoint_target(name)
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            dst = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            seen.add(name)
+        if unexpected:
+            logger.warning(
+                "ignored %d unexpected weights, e.g. %s", len(unexpected), unexpected[:5]
+            )
+        missing = sorted(self.expected_weight_names() - seen)
+        if missing:
+            shown = ", ".join(missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} weights: {shown}{more}")

@@ -1,0 +1,128 @@
+"""Architecture hyper-parameters shared by every supported decoder-only model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from forerun.model.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# Rope types whose inverse frequencies we know how to compute (see rotary.py).
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Return (rope_theta, rope_scaling) from either the v4 or the v5 transformers layout.
+
+    transformers >= 5 folds both into ``rope_parameters``; older configs use top-level
+    ``rope_theta`` and ``rope_scaling``.
+    """
+    params = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = d.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(
+                f"unsupported rope scaling type {rope_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if rope_type == "default":
+            scaling = None
+        else:
+            scaling["rope_type"] = rope_type
+    return float(theta), scaling
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The hyper-parameters forerun needs to build and run a model, independent of file format."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf_dict(
+        cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict (and optional ``generation_config.json``).
+
+        The generation config wins for EOS ids because chat models often list extra stop
+        tokens there (e.g. ``<|eot_id|>``) that config.json lacks.
+        """
+        archs = d.get("architectures") or []
+        if not archs:
+            raise ModelLoadError(
+                "config.json has no 'architectures' entry; "
+                f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported model architecture {arch!r}; "
+                f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if d.get("use_sliding_window"):
+            raise ModelLoadError(f"{arch} with use_sliding_window=true is not supported")
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        theta, scaling = _rope_settings(d)
+        # Qwen2 always has q/k/v biases; its config does not say so.
+        attention_bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias"))
+        eos = _as_id_list((generation_config or {}).get("eos_token_id"))
+        if not eos:
+            eos = _as_id_list(d.get("eos_token_id"))
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            vocab_size=int(d["vocab_size"]),
+            max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
+            rope_theta=theta,
+            rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            eos_token_ids=eos,
+            bos_token_id=d.get("bos_token_id"),
+            rope_scaling=scaling,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )

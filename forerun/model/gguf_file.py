@@ -1,0 +1,162 @@
+"""Reading a GGUF file: hyper-parameters as a Hugging Face style config, and named weights."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from forerun.model.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Open a GGUF file, turning any parse failure into a ``ModelLoadError`` naming the file."""
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader raises assorted errors on truncated/corrupt files
+        raise ModelLoadError(f"could not read GGUF file {path}: {exc}") from exc
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _architecture(reader: GGUFReader) -> tuple[str, str]:
+    arch = _field(reader, "general.architecture")
+    hf_arch = GGUF_ARCHITECTURES.get(arch)
+    if hf_arch is None:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r}; supported: "
+            + ", ".join(f"{k} ({v})" for k, v in GGUF_ARCHITECTURES.items())
+        )
+    return arch, hf_arch
+
+
+def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
+    """Translate GGUF metadata into a ``config.json``-shaped dict for ``ModelConfig``."""
+    arch, hf_arch = _architecture(reader)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(
+            "GGUF rope frequency factors (rope_freqs.weight, llama3 rope scaling) are not "
+            "supported; load the Hugging Face folder of this model instead"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else key("vocab_size")
+    scaling_type = key("rope.scaling.type")
+    rope_scaling = None
+    if scaling_type not in (None, "none"):
+        rope_scaling = {"rope_type": scaling_type, "factor": key("rope.scaling.factor")}
+    # Chat models stop on end-of-turn as well as end-of-text; keep both when they differ.
+    eos = [
+        int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"),
+                         _field(reader, "tokenizer.ggml.eot_token_id")) if v is not None
+    ]
+    return {
+        "architectures": [hf_arch],
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "eos_token_id": list(dict.fromkeys(eos)),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "rope_scaling": rope_scaling,
+    }
+
+
+def gguf_chat_template(reader: GGUFReader) -> str | None:
+    """The Jinja chat template stored in the GGUF metadata, if any."""
+    return _field(reader, "tokenizer.chat_template")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row interleaving so the weights suit ``rotate_half`` rotary."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def gguf_weights(reader: GGUFReader, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every model tensor, dequantised."""
+    arch, _ = _architecture(reader)
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            logger.warning("ignoring unknown GGUF tensor %s", t.name)
+            continue
+        try:
+            arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        except Exception as exc:
+            raise ModelLoadError(
+                f"could not read tensor {t.name} from GGUF file {path}: {exc}"
+            ) from exc
+        # Only llama-arch conversions permute Q/K rows; qwen2/qwen3 converters keep HF order.
+        if arch == "llama" and ".q_proj." in name:
+            arr = _unpermute(arr, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            arr = _unpermute(arr, kv_heads)
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))

@@ -1,0 +1,144 @@
+"""Llama-family decoder (also the base of Qwen2 and Qwen3, which differ only by flags)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from forerun.model.attention import AttentionMetadata, KVCache, paged_attention
+from forerun.model.base import CausalLM, Shard
+from forerun.model.config import ModelConfig
+from forerun.model.layers import GatedMLP, RMSNorm
+from forerun.model.rotary import RotaryEmbedding, apply_rotary
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention with fused q/k/v projection, optional per-head q/k norm, paged cache."""
+
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention and gated MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, o_proj_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, the decoder layers and the final norm (``model.*`` in checkpoints)."""
+
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, o_proj_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / SmolLM / Mistral-style dense decoder."""
+
+    # Qwen2 keeps q/k/v biases but has none on o_proj; Llama and Qwen3 tie both to one flag.
+    o_proj_follows_attention_bias: bool = True
+    qk_norm: bool = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        o_bias = config.attention_bias and self.o_proj_follows_attention_bias
+        self.model = DecoderStack(config, o_bias, self.qk_norm)
+        # With tied embeddings there is no separate lm_head parameter at all, so nothing can
+        # untie them (e.g. materialising from the meta device) and checkpoints need not have it.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.requires_grad_(False)
+
+    def packed_shards(self) -> dict[str, Shard]:
+        c = self.config
+        q = c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+        i = c.intermediate_size
+        return {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, i),
+            "up_proj": ("gate_up_proj", i, i),
+        }
+
+    def skip_weight(self, name: str) -> bool:
+        if self.lm_head is None and name == "lm_head.weight":
+            return True
+        return super().skip_weight(name)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()

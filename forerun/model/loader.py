@@ -1,0 +1,111 @@
+"""Entry points the runner uses: resolve a model, read its config, build it, load its tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from forerun.model.base import CausalLM
+from forerun.model.config import ModelConfig
+from forerun.model.errors import ModelLoadError
+from forerun.model.gguf_file import gguf_chat_template, gguf_hf_config, gguf_weights, open_gguf
+from forerun.model.registry import get_model_class
+from forerun.model.safetensors_weights import (
+    count_tensors,
+    safetensors_files,
+    safetensors_weights,
+)
+from forerun.model.source import ModelSource, resolve_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ModelLoadError",
+    "ModelSource",
+    "load_model",
+    "load_model_config",
+    "load_tokenizer",
+    "resolve_model",
+]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not read {path}: {exc}") from exc
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """Read the model's hyper-parameters from config.json (+generation_config.json) or GGUF."""
+    if source.is_gguf:
+        return ModelConfig.from_hf_dict(gguf_hf_config(open_gguf(source.gguf_path)))
+    config_path = source.path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"model folder {source.path} has no config.json")
+    gen_path = source.path / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else None
+    return ModelConfig.from_hf_dict(_read_json(config_path), gen)
+
+
+def _weights(source: ModelSource) -> tuple[Iterable[tuple[str, torch.Tensor]], int]:
+    if source.is_gguf:
+        path = source.gguf_path
+        reader = open_gguf(path)
+        return gguf_weights(reader, path), len(reader.tensors)
+    files = safetensors_files(source.path)
+    return safetensors_weights(files), count_tensors(files)
+
+
+def _with_progress(
+    weights: Iterable[tuple[str, torch.Tensor]], total: int, name: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    # disable=None hides the bar when stderr is not a terminal (logs, CI).
+    with tqdm(total=total, desc=f"Loading {name}", unit="tensor", disable=None) as bar:
+        for item in weights:
+            yield item
+            bar.update(1)
+
+
+def load_model(
+    source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """Build the model for ``config`` on ``device`` in ``dtype`` and load its weights."""
+    cls = get_model_class(config.architecture)
+    # Build on the meta device so no time is spent on random init that weights overwrite.
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    weights, total = _weights(source)
+    model.load_weights(_with_progress(weights, total, source.name))
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %d layers) as %s on %s",
+        source.name, config.architecture, config.num_hidden_layers, dtype, device,
+    )
+    return model
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (from tokenizer.json or from the GGUF vocabulary)."""
+    try:
+        if source.is_gguf:
+            tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        else:
+            tok = AutoTokenizer.from_pretrained(source.path)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the tokenizer of {source.name}: {exc}") from exc
+    if source.is_gguf and not getattr(tok, "chat_template", None):
+        template = gguf_chat_template(open_gguf(source.gguf_path))
+        if template:
+            tok.chat_template = template
+    return tok

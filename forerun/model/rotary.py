@@ -1,0 +1,76 @@
+"""Rotary position embedding in the Hugging Face ``rotate_half`` layout."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from forerun.model.errors import ModelLoadError
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency rescaling: stretch long wavelengths, keep short ones, blend between."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+def compute_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    """Inverse frequencies (float32, CPU) for ``head_dim // 2`` rotation pairs."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ModelLoadError(f"unsupported rope scaling type {rope_type!r}")
+
+
+class RotaryEmbedding:
+    """Produces per-token cos/sin tables; one instance per model, applied in every layer.
+
+    Not an ``nn.Module`` on purpose: ``inv_freq`` is derived from the config, never loaded,
+    and must survive models built on the meta device.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        self.head_dim = head_dim
+        self._inv_freq_cpu = compute_inv_freq(head_dim, theta, scaling)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        inv = self._inv_freq.get(device)
+        if inv is None:
+            inv = self._inv_freq_cpu.to(device)
+            self._inv_freq[device] = inv
+        return inv
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each ``[T, 1, head_dim]`` in ``dtype``, for positions ``[T]``."""
+        # Angles in float32 regardless of the model dtype: bf16 positions lose precision fast.
+        freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[T, heads, head_dim]`` by the per-token angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

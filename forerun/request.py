@@ -1,0 +1,140 @@
+"""The scheduler's view of one request, with the seed's counters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from forerun.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Everything above ``PREEMPTED`` is finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    ``num_tokens`` counts the prompt plus the output tokens whose ids are *known*;
+    ``num_computed_tokens`` is advanced when a step is *scheduled*; under async scheduling
+    ``num_output_placeholders`` counts tokens that steps in flight will sample but whose ids
+    have not arrived yet. A request needs work exactly when
+    ``num_tokens + num_output_placeholders > num_computed_tokens``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        block_hasher: Callable[[Request], list[bytes]] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.cache_salt = cache_salt
+        max_tokens = sampling_params.max_tokens
+        self.max_tokens: int = max_tokens if max_tokens is not None else 1 << 30
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.is_prefill_chunk = False
+        # Tokens scheduled in steps whose output has not been processed yet.
+        self.num_in_flight_tokens = 0
+        # In-flight tokens that belonged to the request before it was preempted: their
+        # output is still delivered but must not touch the reset counters.
+        self.num_stale_output_tokens = 0
+        self.drop_stale_output = False
+        self.last_sched_seq = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first admission
+        self.first_scheduled_time: float | None = None
+
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
+
+    # ----- derived counters -------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        # No speculative decoding yet: drafts would be added here.
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens}, "
+            f"num_output_placeholders={self.num_output_placeholders})"
+        )

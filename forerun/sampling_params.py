@@ -1,0 +1,117 @@
+"""Sampling parameters, with vLLM's names, meanings and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    """How the sampler picks a token for one request."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What to generate for one prompt, and when to stop.
+
+    Mirrors ``vllm.SamplingParams``: ``temperature == 0`` means greedy; ``top_k`` of -1 or 0
+    means no top-k; ``seed`` makes a request's random stream independent of its batch.
+    Invalid values raise ``ValueError`` whose message starts with the field name, so the
+    server can report it as the OpenAI ``param``.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    structured_outputs: Any = None
+    # Filled in by the engine: the model's EOS ids that end generation unless ignore_eos.
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._verify()
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (several completions per prompt are not supported yet), got {self.n}.")
+        for s in self.stop:  # type: ignore[union-attr]
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r}.")
+        for t in self.stop_token_ids:  # type: ignore[union-attr]
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    def update_from_model(self, eos_token_ids: list[int]) -> None:
+        """Add the model's EOS ids to the stop set, unless ``ignore_eos``."""
+        if not self.ignore_eos:
+            self._all_stop_token_ids = set(self.stop_token_ids or []) | set(eos_token_ids)
+
+    def clone(self) -> SamplingParams:
+        p = SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, seed=self.seed, stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, n=self.n,
+            structured_outputs=self.structured_outputs,
+        )
+        p._all_stop_token_ids = set(self._all_stop_token_ids)
+        return p

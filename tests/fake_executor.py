@@ -1,0 +1,73 @@
+"""A deterministic, pipelined fake worker: a test double for scheduler and engine tests.
+
+It keeps its own view of each request (as a real worker does), samples a token only when
+a step reaches the end of the sequence, and emits position-tagged tokens so that tests can
+check each output was sampled for the right position.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from forerun.core.output import ModelRunnerOutput, SchedulerOutput
+
+EOS = 2
+
+
+def token_for(req_id: str, position: int) -> int:
+    """A token id that encodes the position it was sampled for (never EOS)."""
+    return 100_000 + position * 1_000 + (sum(map(ord, req_id)) % 997)
+
+
+@dataclass
+class _WorkerReq:
+    prompt_len: int
+    num_tokens: int  # known + sampled-by-this-worker
+    num_computed: int = 0
+
+
+@dataclass
+class FakeExecutor:
+    """Executes steps in FIFO order; ``eos_at[req_id] = k`` makes the k-th output EOS."""
+
+    eos_at: dict[str, int] = field(default_factory=dict)
+    reqs: dict[str, _WorkerReq] = field(default_factory=dict)
+    prompt_lens: dict[str, int] = field(default_factory=dict)
+    executed: list[SchedulerOutput] = field(default_factory=list)
+    _pending: list[SchedulerOutput] = field(default_factory=list)
+
+    def execute_model(self, so: SchedulerOutput) -> Future[None]:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.reqs.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            plen = self.prompt_lens.setdefault(new.req_id, len(new.prompt_token_ids))
+            self.reqs[new.req_id] = _WorkerReq(plen, len(new.prompt_token_ids))
+        for rid, c in zip(so.scheduled_cached_reqs.req_ids,
+                          so.scheduled_cached_reqs.num_computed_tokens, strict=True):
+            self.reqs[rid].num_computed = c
+        for new in so.scheduled_new_reqs:
+            self.reqs[new.req_id].num_computed = new.num_computed_tokens
+        self._pending.append(so)
+        self.executed.append(so)
+        f: Future[None] = Future()
+        f.set_result(None)
+        return f
+
+    def sample_tokens(self, grammar_bitmask: object = None) -> Future[ModelRunnerOutput]:
+        so = self._pending.pop(0)
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            r = self.reqs[rid]
+            end = r.num_computed + n
+            ids: list[int] = []
+            if end >= r.num_tokens:  # reached the end of the sequence: this step samples
+                out_index = end - r.prompt_len + 1
+                ids = [EOS if self.eos_at.get(rid) == out_index else token_for(rid, end)]
+                r.num_tokens = end + 1
+            r.num_computed = end
+            req_ids.append(rid)
+            sampled.append(ids)
+        f: Future[ModelRunnerOutput] = Future()
+        f.set_result(ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled))
+        return f
