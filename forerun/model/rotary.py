@@ -28,7 +28,8 @@ def compute_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
     """Inverse frequencies (float32, CPU) for ``head_dim // 2`` rotation pairs."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    # Explicit CPU device: models are constructed under ``torch.device("meta")``.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
