@@ -1,0 +1,109 @@
+"""Engine configuration: the user's knobs and how they resolve."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine needs to start, with vLLM's names where vLLM has the knob."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    async_scheduling: str | bool | None = "auto"
+    max_concurrent_batches: int | None = None
+    defer_block_free: bool | None = None
+    trace_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be at least 1")
+        if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
+            raise ValueError("max_concurrent_batches must be at least 1")
+        resolve_async_mode(self.async_scheduling)  # validates
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            if device.type == "cuda":
+                return torch.bfloat16
+            # bf16 is 2-3x faster than fp32 where the CPU has AMX/AVX512-BF16.
+            cap = torch.backends.cpu.get_cpu_capability()
+            return torch.bfloat16 if cap in ("AVX512", "AMX") or "AMX" in cap else torch.float32
+        try:
+            dt = _DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(
+                f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {self.dtype!r}"
+            ) from None
+        if dt == torch.float16 and device.type == "cpu":
+            raise ValueError("dtype float16 is supported on CUDA only; use bfloat16 on CPU")
+        return dt
+
+    def resolve_async(self) -> tuple[bool, int, str]:
+        """Return (async on, queue depth, why) for this configuration."""
+        mode = resolve_async_mode(self.async_scheduling)
+        depth = self.max_concurrent_batches
+        if mode == "off":
+            if depth not in (None, 1):
+                raise ValueError("max_concurrent_batches > 1 needs async scheduling")
+            return False, 1, "turned off by the user"
+        if depth == 1:
+            if mode == "on":
+                raise ValueError("async scheduling needs max_concurrent_batches >= 2")
+            return False, 1, "max_concurrent_batches=1 leaves nothing to overlap"
+        why = "requested" if mode == "on" else (
+            "auto: nothing in use needs the previous step's token before the next forward")
+        return True, depth or 2, why
+
+    def kv_cache_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free * self.gpu_memory_utilization)
+        return _DEFAULT_CPU_KV_BYTES
+
+
+def resolve_async_mode(value: str | bool | None) -> str:
+    if value is None or value == "auto":
+        return "auto"
+    if value is True or value == "on":
+        return "on"
+    if value is False or value == "off":
+        return "off"
+    raise ValueError(f"async_scheduling must be 'auto', 'on' or 'off', got {value!r}")

@@ -1,0 +1,131 @@
+"""Frontend side of the outputs: detokenise, apply stop strings, build RequestOutputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from forerun.core.output import EngineCoreOutput
+from forerun.engine.detokenizer import IncrementalDetokenizer
+from forerun.engine.stop_checker import StopStringChecker
+from forerun.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from forerun.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Everything the frontend tracks for one request in flight."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    stop_checker: StopStringChecker | None
+    metrics: RequestMetrics
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    def visible_text(self) -> str:
+        """Text safe to show now: never a prefix of a stop string that may still match."""
+        if self.stop_checker is None or self.finish_reason is not None:
+            return self.text
+        return self.text[: self.stop_checker.streamable_len(len(self.text), False)]
+
+    def to_output(self, new_token_ids: list[int]) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=self.visible_text(), token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids, outputs=[completion],
+            finished=self.finish_reason is not None, num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics, new_token_ids=new_token_ids,
+        )
+
+
+class OutputProcessor:
+    """Turns engine-core outputs into RequestOutputs, and finds stop strings.
+
+    A stop string ends a request here, in the frontend; the caller must then abort it in
+    the engine core. Tokens the core produced meanwhile are dropped.
+    """
+
+    def __init__(self, tokenizer: object | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        checker = None
+        if params.stop and detok is not None:
+            checker = StopStringChecker(list(params.stop), params.include_stop_str_in_output)
+        self.request_states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, detok, checker,
+            RequestMetrics(arrival_time), [],
+        )
+
+    def abort_request(self, request_id: str) -> RequestState | None:
+        return self.request_states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Return the RequestOutputs to hand out and the ids the core must abort."""
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in core_outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # finished here already (stop string); late tokens are dropped
+            if out.new_token_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                state.metrics.last_token_time = now
+            state.num_cached_tokens = out.num_cached_tokens
+            state.token_ids.extend(out.new_token_ids)
+            new_chars = 0
+            if state.detokenizer is not None:
+                new_chars = len(state.detokenizer.update(out.new_token_ids))
+                state.text = state.detokenizer.output_text
+            stopped_by_string = self._check_stop_strings(state, new_chars)
+            if out.finish_reason is not None and not stopped_by_string:
+                state.finish_reason = out.finish_reason
+                state.stop_reason = out.stop_reason
+            if stopped_by_string and out.finish_reason is None:
+                to_abort.append(out.request_id)
+            if state.finish_reason is not None:
+                state.metrics.finished_time = now
+                del self.request_states[out.request_id]
+            outputs.append(state.to_output(out.new_token_ids))
+        return outputs, to_abort
+
+    def _check_stop_strings(self, state: RequestState, new_chars: int) -> bool:
+        checker = state.stop_checker
+        if checker is None or new_chars == 0:
+            return False
+        if len(state.token_ids) <= state.params.min_tokens:
+            return False
+        match = checker.check(state.text, new_chars)
+        if match is None:
+            return False
+        truncate_to, stop_str = match
+        state.text = state.text[:truncate_to]
+        state.finish_reason = "stop"
+        state.stop_reason = stop_str
+        return True

@@ -1,0 +1,72 @@
+"""Frontend side of the inputs: validate, tokenise, and make scheduler requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from forerun.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    """A prompt as text (if it was given as text) and as token ids."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class Processor:
+    """Checks a request before any work starts, so that bad input fails alone and early."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self._check(ProcessedPrompt(prompt, list(ids)))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return self._check(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+            if "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"])
+        raise ValueError(
+            "prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _check(self, p: ProcessedPrompt) -> ProcessedPrompt:
+        n = len(p.prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: the prompt is empty")
+        bad = [t for t in p.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is out of vocabulary "
+                f"(0..{self.vocab_size - 1})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: the prompt is {n} tokens long, which leaves no room to generate "
+                f"within the model's context length of {self.max_model_len} tokens "
+                "(max_model_len)")
+        return p
+
+    def process_params(self, params: SamplingParams) -> SamplingParams:
+        params = params.clone()
+        params.update_from_model(self.eos_token_ids)
+        for t in params.stop_token_ids or []:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: token id {t} is out of vocabulary")
+        return params

@@ -1,0 +1,119 @@
+"""The offline API, mirroring ``vllm.LLM``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from forerun.config import EngineConfig
+from forerun.engine.chat import apply_chat_template
+from forerun.engine.llm_engine import LLMEngine
+from forerun.engine.processor import PromptType
+from forerun.outputs import RequestOutput
+from forerun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Generate from a batch of prompts with continuous batching and async scheduling.
+
+    ``LLM()`` with no model loads the default SmolLM2-135M-Instruct. Keyword arguments
+    are :class:`forerun.config.EngineConfig` fields (vLLM's names).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        Every request is validated before any is queued, so one bad prompt raises
+        ``ValueError`` and nothing runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        engine = self.llm_engine
+        # Check all first: a bad prompt must not leave half the batch queued.
+        for p, sp in zip(prompts, params_list, strict=True):
+            engine.processor.process_prompt(p)
+            engine.processor.process_params(sp)
+        ids = [f"gen-{next(self._counter)}" for _ in prompts]
+        for rid, p, sp in zip(ids, prompts, params_list, strict=True):
+            engine.add_request(rid, p, sp)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation, or to a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": apply_chat_template(
+                self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template)}
+            for conv in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        engine.reset_stats_window()
+        finished: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+            # Steps still in flight belong to requests that already finished: retire them
+            # so every block is free when generate returns.
+            while engine.engine_core.has_work():
+                engine.step()
+        except BaseException:
+            engine.abort_request(sorted(pending))
+            while engine.engine_core.has_work():
+                engine.step()
+            raise
+        finally:
+            bar.close()
+            engine.write_trace()
+        return [finished[i] for i in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.llm_engine.stats()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
