@@ -6,7 +6,6 @@ import importlib.util
 import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "  leading spaces, trailing spaces  \n\n\tand tabs\t",
-    'def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n',
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
     '{"key": [1, 2.5, null], "nested": {"ok": true}}',
     "Emoji: 😀🎉 👨‍👩‍👧‍👦 🇫🇷 🏳️‍🌈 ❤️ done",
     "中文测试：你好，世界！日本語のテキストとカタカナ。한국어 문장.",
@@ -78,7 +77,12 @@ def _train_small(decoder: Any, pre_tokenizer: Any) -> PreTrainedTokenizerFast:
 def llama_style() -> PreTrainedTokenizerFast:
     # Llama-2's decoder: the first token's leading space is stripped from the text.
     decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
     return _train_small(decoder, pre_tokenizers.Metaspace(prepend_scheme="first"))
 
@@ -237,7 +241,3 @@ def test_slow_style_tokenizer_without_backend(smollm2: Any) -> None:
     output = smollm2.encode(TEXTS[4] + TEXTS[5], add_special_tokens=False)
     detok = stream(DecodeOnly(), [], output, "chunks")
     assert detok.output_text == smollm2.decode(output)
-
-
-def test_gguf_path_exists() -> None:
-    assert (Path(smollm2_folder()) / GGUF_FILE).is_file()

@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
     space that a SentencePiece-style decoder would strip at the start of a text is kept.
     For byte-level BPE tokenizers it equals `tokenizer.decode(token_ids)`.
     `clean_up_tokenization_spaces` is never applied: it cannot be done incrementally.
+    As in transformers, only slow tokenizers honour `spaces_between_special_tokens`.
     """
 
     def __init__(
@@ -57,9 +58,9 @@ class IncrementalDetokenizer:
         self._backend = _backend_of(tokenizer)
 
         context = self._prompt_context(prompt_token_ids)
-        self._num_context = len(context)
         # Context tokens followed by all output tokens; only the tail is ever decoded.
         self._ids: list[int] = list(context)
+        self._output_ids: list[int] = []
         # ids[prefix_offset:read_offset] were decoded into the text already emitted; ids
         # from read_offset on are not reflected in the output text yet.
         self._prefix_offset = 0
@@ -74,8 +75,8 @@ class IncrementalDetokenizer:
 
     @property
     def token_ids(self) -> list[int]:
-        """All output token ids received so far."""
-        return self._ids[self._num_context :]
+        """All output token ids received so far (do not mutate)."""
+        return self._output_ids
 
     @property
     def output_text(self) -> str:
@@ -91,6 +92,7 @@ class IncrementalDetokenizer:
         # incomplete character at the chunk's end.
         for token_id in new_token_ids:
             self._ids.append(token_id)
+            self._output_ids.append(token_id)
             delta = self._step_stream(token_id) if self._stream is not None else self._step()
             if delta:
                 deltas.append(delta)

@@ -1,0 +1,130 @@
+"""Chat messages to prompt text and token ids via the model's chat template."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader
+
+logger = logging.getLogger(__name__)
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+_GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check OpenAI-style chat messages; return copies with content as plain strings.
+
+    Content given as a list of `{"type": "text", "text": ...}` parts is joined. Errors
+    are ValueErrors naming the offending field, e.g. `messages[1].content[0].type`.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: must be a non-empty list of message objects")
+    return [_validate_message(i, m) for i, m in enumerate(messages)]
+
+
+def _validate_message(index: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise ValueError(f"{where}: must be an object, got {type(message).__name__}")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"{where}.role: must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    out = dict(message)
+    content = message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        # OpenAI allows a null content next to tool calls; templates concatenate it.
+        out["content"] = ""
+    elif isinstance(content, str):
+        pass
+    elif isinstance(content, list):
+        out["content"] = "".join(
+            _text_of_part(f"{where}.content[{j}]", part) for j, part in enumerate(content)
+        )
+    else:
+        raise ValueError(
+            f"{where}.content: must be a string or a list of text parts, "
+            f"got {type(content).__name__}"
+        )
+    return out
+
+
+def _text_of_part(where: str, part: Any) -> str:
+    if not isinstance(part, dict):
+        raise ValueError(f"{where}: must be an object, got {type(part).__name__}")
+    if part.get("type") != "text":
+        raise ValueError(
+            f"{where}.type: only 'text' content parts are supported, got {part.get('type')!r}"
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"{where}.text: must be a string, got {type(text).__name__}")
+    return text
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render messages to prompt text with `chat_template` or the tokenizer's own.
+
+    Extra keyword arguments are passed to the template (e.g. `continue_final_message`,
+    `documents`, or template variables such as `enable_thinking`).
+    """
+    normalized = validate_messages(messages)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(
+            "the tokenizer has no chat template; pass chat_template=... (a Jinja string) "
+            "or use the completions API with a plain prompt"
+        )
+    text = tokenizer.apply_chat_template(
+        normalized,
+        tools=tools,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **kwargs,
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
+    return text
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> list[int]:
+    """Render messages with the chat template and tokenize them into prompt token ids."""
+    text = render_chat(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        tools=tools,
+        **kwargs,
+    )
+    # Templates write BOS and other special tokens themselves; letting the tokenizer add
+    # them again would give a doubled BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def read_gguf_chat_template(path: str | Path) -> str | None:
+    """The chat template stored in a GGUF file's metadata, or None if it has none."""
+    field = GGUFReader(str(path)).get_field(_GGUF_CHAT_TEMPLATE_KEY)
+    if field is None:
+        logger.debug("%s has no %s", path, _GGUF_CHAT_TEMPLATE_KEY)
+        return None
+    template = field.contents()
+    return template if isinstance(template, str) else None
