@@ -221,3 +221,84 @@ def test_missing_weights_are_listed(tiny, tmp_path: Path) -> None:
     source = resolve_model(str(broken))
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_model(source, load_model_config(source), torch.float32, CPU)
+
+
+# --- GGUF files written from the same tiny weights ---------------------------------------
+
+_TO_GGUF = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    parts = hf_name.split(".")
+    if parts[0] == "lm_head":
+        return f"output.{parts[-1]}"
+    if parts[1] == "embed_tokens":
+        return f"token_embd.{parts[-1]}"
+    if parts[1] == "norm":
+        return f"output_norm.{parts[-1]}"
+    return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def _llamacpp_permute(w: Any, n_head: int) -> Any:
+    """What llama.cpp's HF->GGUF converter does to llama Q/K rows (interleaved rotary pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def _write_gguf(hf: torch.nn.Module, path: Path) -> None:
+    import gguf
+
+    cfg = hf.config
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    w = gguf.GGUFWriter(path, arch)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_eos_token_id(3)
+    for name, t in hf.state_dict().items():
+        arr = t.detach().float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            arr = _llamacpp_permute(arr, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            arr = _llamacpp_permute(arr, kv_heads)
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w.add_tensor(_gguf_name(name), arr.copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_loading_matches(tiny, tmp_path: Path) -> None:
+    hf, _, _ = tiny
+    if hf.config.rope_parameters.get("rope_type") == "llama3":
+        pytest.skip("GGUF stores llama3 rope scaling as rope_freqs, which we reject")
+    if hf.config.model_type == "llama" and hf.config.attention_bias:
+        pytest.skip("llama GGUFs with attention bias do not exist")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(hf, path)
+    source = resolve_model(str(path))
+    config = load_model_config(source)
+    assert config.architecture == hf.config.architectures[0]
+    assert config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert config.eos_token_ids == [3]
+    ours = load_model(source, config, torch.float32, CPU)
+    with torch.inference_mode():
+        got = PagedDriver(ours).step([("a", PROMPT)])[0]
+    torch.testing.assert_close(got, _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
