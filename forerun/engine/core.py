@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ class EngineCore:
         executor: ExecutorLike,
         max_concurrent_batches: int = 1,
         tracer: Tracer | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         if max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be at least 1")
@@ -45,7 +47,9 @@ class EngineCore:
         self.max_concurrent_batches = max_concurrent_batches
         self.tracer = tracer or Tracer()
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
-        self._pending_aborts: list[str] = []
+        self.async_scheduling = (
+            max_concurrent_batches > 1 if async_scheduling is None else async_scheduling)
+        self._busy_wall_s = 0.0
 
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -59,9 +63,13 @@ class EngineCore:
 
     # ----- loops ------------------------------------------------------------------------
     def run_step(self) -> list[EngineCoreOutput]:
-        if self.max_concurrent_batches == 1:
-            return self.step()
-        return self.step_with_batch_queue()
+        t0 = time.perf_counter()
+        try:
+            if self.max_concurrent_batches == 1:
+                return self.step()
+            return self.step_with_batch_queue()
+        finally:
+            self._busy_wall_s += time.perf_counter() - t0
 
     def _schedule(self) -> SchedulerOutput:
         with self.tracer.span("schedule", ENGINE_LANE, self.scheduler.sched_step_seq + 1):
@@ -115,6 +123,40 @@ class EngineCore:
         if deferred is not None:
             self.batch_queue.append((self._sample(deferred), deferred))
         return outputs
+
+    # ----- stats ------------------------------------------------------------------------
+    def reset_stats_window(self) -> None:
+        """Start a new window for ``device_busy_fraction``."""
+        self.tracer.device_busy_s = 0.0
+        self._busy_wall_s = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        kv = self.scheduler.kv_cache_manager
+        deferred = sum(len(b) for _, b in self.scheduler.deferred_frees)
+        return {
+            "steps": s.steps,
+            "num_preemptions": s.num_preemptions,
+            "wasted_tokens": s.wasted_tokens,
+            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "prefix_cache_queries": kv.block_pool.num_cache_queries,
+            "prefix_cache_hits": kv.block_pool.num_cache_hits,
+            "kv_blocks_total": kv.block_pool.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_blocks_deferred": deferred,
+            "kv_cache_usage": kv.block_pool.get_usage(),
+            "async_scheduling": self.async_scheduling,
+            "max_concurrent_batches": self.max_concurrent_batches,
+            "device_busy_fraction": (
+                self.tracer.device_busy_s / self._busy_wall_s if self._busy_wall_s else 0.0),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def drain(self) -> list[EngineCoreOutput]:
         """Process every step still in flight (used at shutdown and in tests)."""

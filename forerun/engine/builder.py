@@ -1,0 +1,97 @@
+"""Builds an engine core (scheduler + executor + model) from an EngineConfig."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from forerun.config import EngineConfig
+from forerun.core.async_scheduler import AsyncScheduler
+from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.scheduler import Scheduler, SchedulerConfig
+from forerun.engine.core import EngineCore
+from forerun.model.config import ModelConfig
+from forerun.model.loader import load_model, load_model_config
+from forerun.model.source import ModelSource, resolve_model
+from forerun.trace import Tracer
+from forerun.worker.executor import Executor
+from forerun.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the frontend must know about the model the core serves."""
+
+    source: ModelSource
+    model_config: ModelConfig
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+def resolve_model_info(config: EngineConfig) -> ModelInfo:
+    source = resolve_model(config.model)
+    mc = load_model_config(source)
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} is larger than the model's "
+            f"{mc.max_position_embeddings}")
+    return ModelInfo(source, mc, max_model_len, mc.vocab_size, list(mc.eos_token_ids))
+
+
+def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """Blocks that fit the KV memory budget (or the override), capped at what can be used."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    mc, bs = info.model_config, config.block_size
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = 2 * mc.num_hidden_layers * bs * mc.num_key_value_heads * mc.head_dim * elem
+    budget = config.kv_cache_bytes(device)
+    ceiling = config.max_num_seqs * math.ceil(info.max_model_len / bs) + 1
+    n = min(budget // per_block, ceiling)
+    if n < math.ceil(info.max_model_len / bs):
+        raise ValueError(
+            f"KV cache memory of {budget} bytes holds {n} blocks, fewer than one sequence of "
+            f"max_model_len={info.max_model_len} needs; raise kv_cache_memory_bytes or lower "
+            "max_model_len")
+    return int(n)
+
+
+def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> EngineCore:
+    """Load the model on a worker thread and wire scheduler, executor and core together."""
+    info = info or resolve_model_info(config)
+    mc = info.model_config
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(device)
+    async_on, depth, why = config.resolve_async()
+    logger.info("async scheduling %s (%s), queue depth %d", "on" if async_on else "off",
+                why, depth)
+    torch.manual_seed(config.seed)
+    bs = config.block_size
+    num_blocks = num_kv_blocks(config, info, dtype, device)
+    tracer = Tracer(enabled=config.trace_file is not None)
+    kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+    defer = config.defer_block_free if config.defer_block_free is not None else depth > 1
+    sched_config = SchedulerConfig(
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=info.max_model_len,
+        defer_block_free=defer,
+    )
+    scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv)
+
+    def make_runner() -> ModelRunner:
+        model = load_model(info.source, mc, dtype, device)
+        return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
+                           mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer)
+
+    executor = Executor(make_runner)
+    logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, bs, dtype)
+    return EngineCore(scheduler, executor, depth, tracer, async_scheduling=async_on)
