@@ -1,0 +1,289 @@
+"""Drive the real scheduler and engine core with the fake worker, checking invariants.
+
+:class:`Harness` wraps ``schedule`` and ``update_from_output`` of a real ``Scheduler`` or
+``AsyncScheduler`` so that :func:`check_invariants` runs after *every* schedule and every
+update event. It keeps its own ledger of the steps in flight (which requests each step
+scheduled, how many tokens, which of them sample), so the scheduler's counters are compared
+with an independent account rather than with themselves.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from forerun.core.async_scheduler import AsyncScheduler
+from forerun.core.block_hash import make_block_hasher
+from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from forerun.core.scheduler import Scheduler, SchedulerConfig
+from forerun.engine.core import EngineCore
+from forerun.request import Request, RequestStatus
+from forerun.sampling_params import SamplingParams
+from tests.fake_executor import EOS, FakeExecutor, token_for
+
+
+def make_request(
+    req_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    block_size: int,
+    cache_salt: str | None = None,
+) -> Request:
+    """A greedy request that stops on the fake worker's EOS, with prefix-cache hashing."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params.update_from_model([EOS])
+    return Request(req_id, prompt, params, eos_token_id=EOS, cache_salt=cache_salt,
+                   block_hasher=make_block_hasher(block_size))
+
+
+def expected_output(
+    req_id: str, prompt_len: int, max_tokens: int, eos_at: int | None
+) -> tuple[list[int], str]:
+    """The oracle: what a lossless engine must deliver for one request with the fake.
+
+    The k-th output (1-based) is sampled for position ``prompt_len + k - 1``; generation
+    ends at EOS (``eos_at``-th output) or after ``max_tokens`` outputs.
+    """
+    n = max_tokens if eos_at is None else min(max_tokens, eos_at)
+    ids = [token_for(req_id, prompt_len + k - 1) for k in range(1, n + 1)]
+    if eos_at is not None and eos_at <= max_tokens:
+        ids[-1] = EOS
+        return ids, "stop"
+    return ids, "length"
+
+
+@dataclass
+class StepRecord:
+    """The harness's own ledger entry for one scheduled, unprocessed step."""
+
+    so: SchedulerOutput
+    sampling: set[str]  # requests this step will sample a token for
+
+
+@dataclass
+class Harness:
+    """A real scheduler + EngineCore + FakeExecutor, with invariant checks on every event."""
+
+    async_scheduling: bool
+    depth: int
+    num_blocks: int
+    block_size: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    defer_block_free: bool | None = None
+    enable_caching: bool = True
+    eos_at: dict[str, int] = field(default_factory=dict)
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        defer = self.defer_block_free
+        if defer is None:
+            defer = self.depth > 1
+        config = SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            defer_block_free=defer,
+        )
+        kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching)
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler: Scheduler = cls(config, kv)
+        self.kv = kv
+        self.executor = FakeExecutor(eos_at=self.eos_at)
+        self.engine = EngineCore(self.scheduler, self.executor,
+                                 max_concurrent_batches=self.depth)
+        self.in_flight: deque[StepRecord] = deque()
+        self.last_preempt_step: dict[str, int] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.finish_reason: dict[str, str | None] = {}
+        self.prompt_lens: dict[str, int] = {}
+        self.scheduled_tokens: Counter[str] = Counter()
+        self.num_events = 0
+        self.on_schedule: list[Callable[[SchedulerOutput], None]] = []
+        self.on_update: list[Callable[[SchedulerOutput], None]] = []
+        self.min_placeholders_seen = 0
+        self._orig_schedule = self.scheduler.schedule
+        self._orig_update = self.scheduler.update_from_output
+        self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
+        self.scheduler.update_from_output = self._update  # type: ignore[method-assign]
+
+    # ----- wrapped events -----------------------------------------------------------------
+    def _schedule(self) -> SchedulerOutput:
+        so = self._orig_schedule()
+        for rid in so.preempted_req_ids:
+            self.last_preempt_step[rid] = so.step_id
+        sampling = {
+            rid for rid in so.num_scheduled_tokens
+            if not self.scheduler.requests[rid].is_prefill_chunk
+        }
+        for rid, n in so.num_scheduled_tokens.items():
+            self.scheduled_tokens[rid] += n
+        self.in_flight.append(StepRecord(so, sampling))
+        self._after_event()
+        for hook in self.on_schedule:
+            hook(so)
+        return so
+
+    def _update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        oldest = self.in_flight.popleft()
+        assert oldest.so is so, "steps must be processed once each, in FIFO order"
+        outputs = self._orig_update(so, out)
+        self._after_event()
+        for hook in self.on_update:
+            hook(so)
+        return outputs
+
+    def _after_event(self) -> None:
+        self.num_events += 1
+        for r in self.scheduler.requests.values():
+            self.min_placeholders_seen = min(self.min_placeholders_seen,
+                                             r.num_output_placeholders)
+        if self.check:
+            check_invariants(self)
+
+    # ----- driving --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.prompt_lens[request.request_id] = request.num_prompt_tokens
+        self.outputs[request.request_id] = []
+        self.finish_reason[request.request_id] = None
+        self.engine.add_request(request)
+
+    def abort(self, req_id: str) -> None:
+        request = self.scheduler.requests.get(req_id)
+        self.engine.abort_requests([req_id])
+        if request is not None:
+            self.finish_reason[req_id] = "abort"
+        if self.check:
+            check_invariants(self)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs = self.engine.run_step()
+        for o in outputs:
+            assert self.finish_reason[o.request_id] is None, f"output after finish: {o}"
+            self.outputs[o.request_id].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                self.finish_reason[o.request_id] = o.finish_reason
+        return outputs
+
+    def run_until_idle(self, max_steps: int = 10_000) -> int:
+        steps = 0
+        while self.engine.has_work():
+            self.step()
+            steps += 1
+            assert steps <= max_steps, "engine made no progress (livelock?)"
+        return steps
+
+    def assert_all_released(self) -> None:
+        s, kv = self.scheduler, self.kv
+        assert not s.requests and not s.running and not s.waiting
+        assert not self.in_flight and not self.engine.batch_queue
+        assert not s.deferred_frees
+        assert not kv.req_to_blocks and not kv.num_cached_block
+        assert kv.num_free_blocks == self.num_blocks
+        assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+def check_invariants(h: Harness) -> None:
+    """Every invariant the scheduler promises between events; raises AssertionError."""
+    s, kv = h.scheduler, h.kv
+    pool = kv.block_pool
+    bs = kv.block_size
+    is_async = isinstance(s, AsyncScheduler)
+
+    # The queues partition the live requests.
+    running_ids = [r.request_id for r in s.running]
+    waiting_ids = [r.request_id for r in s.waiting]
+    assert len(set(running_ids)) == len(running_ids)
+    assert set(running_ids).isdisjoint(waiting_ids)
+    assert set(running_ids) | set(waiting_ids) == set(s.requests)
+    assert len(s.running) <= s.config.max_num_seqs
+
+    for rid, r in s.requests.items():
+        T, C, P = r.num_tokens, r.num_computed_tokens, r.num_output_placeholders
+        assert P >= 0, r
+        if not is_async:
+            assert P == 0, r
+        assert not r.is_finished(), r
+        # The ledger: tokens of this request in steps not yet processed.
+        in_flight = sum(rec.so.num_scheduled_tokens.get(rid, 0) for rec in h.in_flight)
+        assert r.num_in_flight_tokens == in_flight, (r, in_flight)
+        cut = h.last_preempt_step.get(rid, -1)
+        stale = sum(rec.so.num_scheduled_tokens.get(rid, 0)
+                    for rec in h.in_flight if rec.so.step_id < cut)
+        assert r.num_stale_output_tokens == stale, (r, stale)
+        assert 0 <= r.num_stale_output_tokens <= r.num_in_flight_tokens
+        # Sampling steps in flight that belong to the current (post-preemption) life.
+        promised = sum(1 for rec in h.in_flight
+                       if rec.so.step_id > cut and rid in rec.sampling)
+        # The max_tokens guard: never promise more tokens than the request may have.
+        assert r.num_output_tokens + P <= r.max_tokens, r
+        if r.status == RequestStatus.RUNNING:
+            assert r.num_stale_output_tokens == 0, r
+            assert P == (promised if is_async else 0), (r, promised)
+            if r.is_prefill_chunk:
+                assert P == 0 and C < T, r
+            else:
+                # C - P is the confirmed frontier: all but the newest known token.
+                assert C - P == T - 1 + (0 if is_async else promised), (r, promised)
+        else:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert C == 0 and P == 0, r
+            assert rid not in kv.req_to_blocks, r
+            assert rid not in kv.num_cached_block, r
+
+    # Block ownership: every reference is accounted for by a holder or a deferred entry.
+    assert set(kv.req_to_blocks) <= set(running_ids), (set(kv.req_to_blocks), running_ids)
+    refs: Counter[int] = Counter()
+    holders: dict[int, set[str]] = {}
+    for rid, blocks in kv.req_to_blocks.items():
+        assert blocks, rid
+        ids = [b.block_id for b in blocks]
+        assert len(set(ids)) == len(ids), (rid, ids)
+        for b in blocks:
+            refs[b.block_id] += 1
+            holders.setdefault(b.block_id, set()).add(rid)
+    deferred_ids: set[int] = set()
+    fences = [fence for fence, _ in s.deferred_frees]
+    assert fences == sorted(fences)
+    assert not fences or fences[0] > s.processed_step_seq
+    if not s.defer_block_free:
+        assert not s.deferred_frees
+    for _, blocks in s.deferred_frees:
+        for b in blocks:
+            refs[b.block_id] += 1
+            deferred_ids.add(b.block_id)
+    for bid, owners in holders.items():
+        if len(owners) > 1:
+            block = pool.blocks[bid]
+            assert block.block_hash is not None and block.ref_cnt >= 2, (block, owners)
+    free_ids = [b.block_id for b in pool.free_block_queue]
+    assert len(free_ids) == pool.get_num_free_blocks() == len(set(free_ids))
+    for block in pool.blocks:
+        assert block.ref_cnt == refs[block.block_id], (block, refs[block.block_id])
+    assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+    held = set(refs)
+    assert len(free_ids) + len(held) == pool.num_blocks
+    assert held == set(holders) | deferred_ids
+
+    # Prefix cache: only full blocks wholly below min(T, C), under the request's own hash.
+    for rid, blocks in kv.req_to_blocks.items():
+        r = s.requests[rid]
+        frontier = min(r.num_tokens, r.num_computed_tokens)
+        num_cached = kv.num_cached_block.get(rid, 0)
+        assert num_cached * bs <= frontier, (r, num_cached)
+        for i, b in enumerate(blocks):
+            if i < num_cached:
+                assert b.block_hash == r.block_hashes[i], (r, i, b)
+            else:
+                assert b.block_hash is None, (r, i, b)
+        assert len(blocks) * bs >= r.num_computed_tokens, (r, len(blocks))
+    for h_, entry in pool.cached_block_hash_to_block.items():
+        assert entry
+        for bid, b in entry.items():
+            assert b.block_id == bid and b.block_hash == h_
+    hashed = {b.block_id for b in pool.blocks if b.block_hash is not None}
+    in_map = {bid for e in pool.cached_block_hash_to_block.values() for bid in e}
+    assert hashed == in_map
