@@ -105,6 +105,8 @@ class Harness:
         self.on_schedule: list[Callable[[SchedulerOutput], None]] = []
         self.on_update: list[Callable[[SchedulerOutput], None]] = []
         self.min_placeholders_seen = 0
+        # (request id, its stale in-flight tokens) for every preemption, in order.
+        self.preemptions: list[tuple[str, int]] = []
         self._orig_schedule = self.scheduler.schedule
         self._orig_update = self.scheduler.update_from_output
         self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
@@ -113,8 +115,9 @@ class Harness:
     # ----- wrapped events -----------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
         so = self._orig_schedule()
-        for rid in so.preempted_req_ids:
+        for rid in sorted(so.preempted_req_ids):
             self.last_preempt_step[rid] = so.step_id
+            self.preemptions.append((rid, self.scheduler.requests[rid].num_stale_output_tokens))
         sampling = {
             rid for rid in so.num_scheduled_tokens
             if not self.scheduler.requests[rid].is_prefill_chunk
