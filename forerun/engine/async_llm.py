@@ -1,0 +1,257 @@
+"""AsyncLLM: the asyncio frontend the server uses, over an engine core client."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from forerun.config import EngineConfig
+from forerun.engine.builder import ModelInfo, resolve_model_info
+from forerun.engine.core_client import EngineCoreClient, EngineDeadError
+from forerun.engine.core_messages import CoreFailed, CoreOutputs, StatsReply
+from forerun.engine.output_processor import OutputProcessor
+from forerun.engine.processor import Processor, PromptType
+from forerun.model.loader import load_tokenizer
+from forerun.outputs import RequestOutput
+from forerun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 500
+
+
+class OutputObserver(Protocol):
+    """Gets every RequestOutput as it is dispatched (the server's metrics use this)."""
+
+    def on_output(self, output: RequestOutput) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request, one per engine step that produced tokens for it."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Stop the request in the engine (frees its KV blocks); safe to call twice."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Tokenise, send to the engine core, detokenise, and fan outputs out per request.
+
+    ``engine_process=False`` runs the core in a thread of this process (tests, debugging).
+    The output handler task starts on first use inside the running event loop.
+    """
+
+    def __init__(self, config: EngineConfig, engine_process: bool = True,
+                 observer: OutputObserver | None = None) -> None:
+        self.config = config
+        self.model_info: ModelInfo = resolve_model_info(config)
+        self.client = EngineCoreClient(config, engine_process)
+        self.client.start()
+        try:
+            # Load the tokenizer while the core loads the model.
+            self.tokenizer = load_tokenizer(self.model_info.source)
+            self.client.wait_ready()
+        except BaseException:
+            self.client.shutdown()
+            raise
+        info = self.model_info
+        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                   info.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.observer = observer
+        self._streams: dict[str, RequestStream] = {}
+        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._call_ids = itertools.count()
+        self._handler: asyncio.Task[None] | None = None
+        self.dead_error: str | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_info.max_model_len
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None or not self.client.is_alive()
+
+    # ----- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> RequestStream:
+        """Validate and send one request; raises ValueError (field name first) if bad."""
+        self._ensure_handler()
+        if self.is_dead:
+            raise EngineDeadError(self.dead_error or self.client.death_message())
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        processed = self.processor.process_prompt(prompt)
+        params = self.processor.process_params(params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        stream = RequestStream(self, request_id)
+        self.output_processor.add_request(request_id, processed.prompt,
+                                          processed.prompt_token_ids, params, arrival)
+        self._streams[request_id] = stream
+        try:
+            self.client.add_request(request_id, processed.prompt_token_ids, params, arrival)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.output_processor.abort_request(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's state after every step that gave it tokens."""
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        state = self.output_processor.abort_request(request_id)
+        if stream is None and state is None:
+            return
+        if self.observer is not None:
+            self.observer.on_abort(request_id)
+        try:
+            self.client.abort_requests([request_id])
+        except Exception:  # the core is gone: nothing left to free
+            logger.debug("abort of %s not delivered", request_id, exc_info=True)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with ``error`` (shutdown, engine death)."""
+        for rid, stream in list(self._streams.items()):
+            stream.queue.put_nowait(error)
+            self.output_processor.abort_request(rid)
+            if self.observer is not None:
+                self.observer.on_abort(rid)
+        ids = list(self._streams)
+        self._streams.clear()
+        if ids and self.client.is_alive():
+            self.client.abort_requests(ids)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ----- stats ------------------------------------------------------------------------
+    async def get_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The engine core's ``stats()`` dict, fetched from the core."""
+        self._ensure_handler()
+        if self.is_dead:
+            raise EngineDeadError(self.dead_error or self.client.death_message())
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[call_id] = fut
+        try:
+            self.client.request_stats(call_id)
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._stats_waiters.pop(call_id, None)
+
+    # ----- output handling --------------------------------------------------------------
+    def _ensure_handler(self) -> None:
+        if self._handler is None or self._handler.done():
+            if self._handler is not None and self.dead_error is None:
+                logger.error("output handler stopped; restarting it")
+            self._handler = asyncio.get_running_loop().create_task(
+                self._output_loop(), name="forerun-output-handler")
+
+    async def _output_loop(self) -> None:
+        try:
+            while self.dead_error is None:
+                msgs = await self.client.recv_messages(_POLL_MS)
+                for msg in msgs:
+                    self._handle(msg)
+                if not msgs and not self.client.is_alive():
+                    self._die(self.client.death_message())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("output handler failed")
+            self._die(f"output handler failed: {exc}")
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, CoreOutputs):
+            self._process_outputs(msg)
+        elif isinstance(msg, StatsReply):
+            fut = self._stats_waiters.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.stats)
+        elif isinstance(msg, CoreFailed):
+            logger.error("engine core failed:\n%s", msg.traceback)
+            self._die(f"engine core failed: {msg.error}")
+
+    def _process_outputs(self, msg: CoreOutputs) -> None:
+        states = self.output_processor.request_states
+        for w in msg.outputs:
+            state = states.get(w.request_id)
+            if state is not None and w.first_scheduled_time is not None:
+                state.metrics.first_scheduled_time = w.first_scheduled_time
+        outputs, to_abort = self.output_processor.process_outputs(
+            [w.to_core_output() for w in msg.outputs])
+        if to_abort:
+            self.client.abort_requests(to_abort)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            if self.observer is not None:
+                self.observer.on_output(out)
+            stream.queue.put_nowait(out)
+
+    def _die(self, message: str) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error("%s", message)
+        self.dead_error = message
+        err = EngineDeadError(message)
+        self.fail_all(err)
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    # ----- shutdown ---------------------------------------------------------------------
+    async def shutdown_async(self) -> None:
+        self.fail_all(EngineDeadError("the server is shutting down"))
+        if self._handler is not None:
+            self._handler.cancel()
+            try:
+                await self._handler
+            except (asyncio.CancelledError, Exception):
+                pass
+        await asyncio.to_thread(self.client.shutdown)
+
+    def shutdown(self) -> None:
+        """Synchronous shutdown, for use outside a running event loop."""
+        self.client.shutdown()

@@ -1,0 +1,178 @@
+"""API-process side of the engine core: starts it, sends it work, receives its messages."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from forerun.config import EngineConfig
+from forerun.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    GetStats,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    WireSamplingParams,
+    input_encoder,
+    output_decoder,
+)
+from forerun.engine.core_proc import run_engine_core
+from forerun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start (bad model path, too little KV memory, ...)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped while requests were in flight, or before they were sent."""
+
+
+class EngineCoreClient:
+    """Runs the engine core in a spawned process (default) or in a thread of this process.
+
+    Both modes speak the same ZMQ protocol, so everything above this class is identical.
+    ``start()`` returns at once so the caller can load the tokenizer meanwhile;
+    ``wait_ready()`` blocks until the core reports ready or raises EngineStartupError.
+    """
+
+    def __init__(self, config: EngineConfig, engine_process: bool = True) -> None:
+        self.config = config
+        self.engine_process = engine_process
+        self._tmpdir = tempfile.mkdtemp(prefix="forerun-ipc-")
+        self.input_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+        self.output_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._out = self._ctx.socket(zmq.PULL)
+        for s in (self._in, self._out):
+            s.setsockopt(zmq.LINGER, 0)
+        self._in.bind(self.input_addr)
+        self._out.bind(self.output_addr)
+        self._aout: zmq.asyncio.Socket | None = None
+        self._proc: Any = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ----- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self.engine_process:
+            ctx = multiprocessing.get_context("spawn")
+            self._proc = ctx.Process(
+                target=run_engine_core, name="forerun-engine-core", daemon=True,
+                args=(self.config, self.input_addr, self.output_addr, os.getpid()))
+            self._proc.start()
+            logger.info("engine core process started (pid %d)", self._proc.pid)
+        else:
+            self._thread = threading.Thread(
+                target=run_engine_core, name="forerun-engine-core", daemon=True,
+                args=(self.config, self.input_addr, self.output_addr, None, True))
+            self._thread.start()
+
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._out.poll(200):
+                msg = output_decoder.decode(self._out.recv())
+                if isinstance(msg, Ready):
+                    logger.info("engine core ready")
+                    return
+                if isinstance(msg, StartupFailed):
+                    logger.debug("engine core startup traceback:\n%s", msg.traceback)
+                    raise EngineStartupError(f"engine core failed to start: {msg.error}")
+                logger.warning("unexpected message before ready: %r", msg)
+            elif not self.is_alive():
+                raise EngineStartupError(
+                    f"engine core exited during startup{self._exit_detail()}")
+        raise EngineStartupError(f"engine core did not start within {timeout_s:.0f} s")
+
+    def is_alive(self) -> bool:
+        if self._closed:
+            return False
+        if self._proc is not None:
+            return self._proc.is_alive()
+        return self._thread is not None and self._thread.is_alive()
+
+    def _exit_detail(self) -> str:
+        if self._proc is not None and self._proc.exitcode is not None:
+            return f" (exit code {self._proc.exitcode})"
+        return ""
+
+    def death_message(self) -> str:
+        return f"engine core stopped unexpectedly{self._exit_detail()}"
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to stop, then make sure it has: no orphan process survives."""
+        if self._closed:
+            return
+        try:
+            if self.is_alive():
+                self._send(Shutdown())
+        except zmq.ZMQError:
+            pass
+        if self._proc is not None:
+            self._proc.join(timeout_s)
+            if self._proc.is_alive():
+                logger.warning("engine core did not stop; terminating it")
+                self._proc.terminate()
+                self._proc.join(5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        elif self._thread is not None:
+            self._thread.join(timeout_s)
+        self._closed = True
+        if self._aout is not None:
+            self._aout.close(linger=0)
+        self._in.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # ----- requests ---------------------------------------------------------------------
+    def _send(self, msg: CoreInput) -> None:
+        self._in.send(input_encoder.encode(msg), zmq.NOBLOCK)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        if not self.is_alive():
+            raise EngineDeadError(self.death_message())
+        self._send(AddRequest(request_id, prompt_token_ids,
+                              WireSamplingParams.from_params(params), arrival_time))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.is_alive():
+            self._send(AbortRequests(list(request_ids)))
+
+    def request_stats(self, call_id: int) -> None:
+        if not self.is_alive():
+            raise EngineDeadError(self.death_message())
+        self._send(GetStats(call_id))
+
+    # ----- outputs ----------------------------------------------------------------------
+    async def recv_messages(self, timeout_ms: int) -> list[Any]:
+        """Every message waiting now, after waiting up to ``timeout_ms`` for the first."""
+        if self._aout is None:
+            self._aout = zmq.asyncio.Socket.from_socket(self._out)
+        if not await self._aout.poll(timeout_ms):
+            return []
+        msgs = []
+        while True:
+            try:
+                raw = await self._aout.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return msgs
+            msgs.append(output_decoder.decode(raw))

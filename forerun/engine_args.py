@@ -1,0 +1,55 @@
+"""Engine command-line flags shared by ``forerun serve``, ``generate`` and ``chat``."""
+
+from __future__ import annotations
+
+import argparse
+
+from forerun.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the EngineConfig flags (vLLM's spellings) to ``parser``."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="local GGUF file or HF-style folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16 or float16 (CUDA only)")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_true", default=True)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
+                   const="off")
+    g.add_argument("--max-concurrent-batches", type=int, default=None)
+    g.add_argument("--trace-file", default=None,
+                   help="write a Chrome trace of engine and worker activity here")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build an EngineConfig from parsed ``add_engine_args`` flags; ValueError if invalid."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        seed=args.seed,
+        async_scheduling=args.async_scheduling,
+        max_concurrent_batches=args.max_concurrent_batches,
+        trace_file=args.trace_file,
+    )
