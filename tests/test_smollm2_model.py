@@ -6,8 +6,9 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
+from forerun.model.config import ModelConfig
 from forerun.model.loader import (
     ModelLoadError,
     ModelSource,
@@ -39,6 +40,11 @@ def source() -> ModelSource:
 
 
 @pytest.fixture(scope="module")
+def config(source: ModelSource) -> ModelConfig:
+    return load_model_config(source)
+
+
+@pytest.fixture(scope="module")
 def hf(source: ModelSource) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(
         source.path, gguf_file=source.gguf_file, dtype=torch.float32
@@ -46,8 +52,8 @@ def hf(source: ModelSource) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def ours(source: ModelSource) -> torch.nn.Module:
-    return load_model(source, load_model_config(source), torch.float32, torch.device("cpu"))
+def ours(source: ModelSource, config: ModelConfig) -> torch.nn.Module:
+    return load_model(source, config, torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +70,10 @@ def hf_greedy(hf: torch.nn.Module) -> dict[str, list[int]]:
     return out
 
 
-def test_resolves_default_gguf(source: ModelSource) -> None:
+def test_resolves_default_gguf(source: ModelSource, config: ModelConfig) -> None:
     assert source.name == "SmolLM2-135M-Instruct"
     assert source.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    cfg = load_model_config(source)
+    cfg = config
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.num_key_value_heads) == (
         "LlamaForCausalLM", 30, 3,
     )
@@ -85,10 +91,10 @@ def test_prefill_logits_match(hf: torch.nn.Module, ours: torch.nn.Module) -> Non
 def test_greedy_matches_transformers(ours: torch.nn.Module, hf_greedy: dict[str, list[int]]) -> None:
     # min_new_tokens=16 only masks EOS, which greedy never picks within these 16 tokens.
     assert hf_greedy == {"once": ONCE_GREEDY, "paris": PARIS_GREEDY}
+    # One sequence alone here; both prompts together in test_batched_greedy_matches.
     driver = PagedDriver(ours, block_size=16)
     with torch.inference_mode():
         assert driver.greedy("once", ONCE, 16) == hf_greedy["once"]
-        assert driver.greedy("paris", PARIS, 16) == hf_greedy["paris"]
 
 
 def test_batched_greedy_matches(ours: torch.nn.Module, hf_greedy: dict[str, list[int]]) -> None:
@@ -105,10 +111,10 @@ def test_batched_greedy_matches(ours: torch.nn.Module, hf_greedy: dict[str, list
 
 
 def test_tokenizer_matches_and_has_chat_template(source: ModelSource) -> None:
+    # PARIS are the ids transformers' own GGUF tokenizer gives (models.md); loading a second
+    # tokenizer from the GGUF just to re-derive them would cost several seconds.
     ours = load_tokenizer(source)
-    ref = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    text = "The capital of France is"
-    assert ours.encode(text) == ref.encode(text) == PARIS
+    assert ours.encode("The capital of France is") == PARIS
     assert ours.chat_template and "im_start" in ours.chat_template
     prompt = ours.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
@@ -119,6 +125,6 @@ def test_tokenizer_matches_and_has_chat_template(source: ModelSource) -> None:
 def test_truncated_gguf_is_a_load_error(source: ModelSource, tmp_path) -> None:
     broken = tmp_path / "broken.gguf"
     with open(source.gguf_path, "rb") as f:
-        broken.write_bytes(f.read(4 << 20))
+        broken.write_bytes(f.read(256 << 10))
     with pytest.raises(ModelLoadError, match="broken.gguf"):
         load_model_config(resolve_model(str(broken)))
