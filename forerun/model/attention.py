@@ -51,14 +51,10 @@ class AttentionMetadata:
     # with slot 0 (flat so each layer does a single fast index_select).
     decode_slots: torch.Tensor | None = None
     decode_max_ctx: int = 0
+    num_decodes: int = 0
     # [B_dec, 1, 1, max_ctx] True where a padded slot is real context; None if nothing is padded.
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
-
-    @property
-    def num_decodes(self) -> int:
-        """Number of sequences that contribute exactly one query token."""
-        return 0 if self.decode_slots is None else self.decode_slots.shape[0] // self.decode_max_ctx
 
     @classmethod
     def build(
@@ -119,6 +115,7 @@ class AttentionMetadata:
         tables = self.block_tables.index_select(0, idx)
         self.decode_slots = (tables[:, pos // bs] * bs + pos % bs).reshape(-1)
         self.decode_max_ctx = max_ctx
+        self.num_decodes = len(dec_idx)
         if min(lens_list) != max_ctx:
             lens = torch.tensor(lens_list, dtype=torch.long, device=device)
             self.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
@@ -146,7 +143,7 @@ def _decode_attention(
 ) -> torch.Tensor:
     """All single-token queries in one SDPA call; returns [B_dec, H, D]."""
     assert meta.decode_slots is not None
-    b, num_heads, d = q.shape
+    b, num_heads, d = q.shape  # b == meta.num_decodes
     kvh = k_flat.shape[1] // d
     ctx = meta.decode_max_ctx
     # With one query token, the G query heads that share a KV head can act as G query rows
