@@ -29,22 +29,39 @@ class _WorkerReq:
 
 @dataclass
 class FakeExecutor:
-    """Executes steps in FIFO order; ``eos_at[req_id] = k`` makes the k-th output EOS."""
+    """Executes steps in FIFO order; ``eos_at[req_id] = k`` makes the k-th output EOS.
+
+    With ``strict`` (the default) it also cross-checks the scheduler against its own view:
+    a running request's ``num_computed_tokens`` must match what this worker computed, no
+    step may compute a position whose token does not exist yet, and a resumed request must
+    come back with exactly its prompt plus every token this worker sampled for it.
+    """
 
     eos_at: dict[str, int] = field(default_factory=dict)
     reqs: dict[str, _WorkerReq] = field(default_factory=dict)
     prompt_lens: dict[str, int] = field(default_factory=dict)
     executed: list[SchedulerOutput] = field(default_factory=list)
+    strict: bool = True
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
     _pending: list[SchedulerOutput] = field(default_factory=list)
 
     def execute_model(self, so: SchedulerOutput) -> Future[None]:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.reqs.pop(rid, None)
         for new in so.scheduled_new_reqs:
+            prompt = self.prompts.setdefault(new.req_id, list(new.prompt_token_ids))
+            if self.strict:
+                expected = prompt + self.sampled.get(new.req_id, [])
+                assert new.prompt_token_ids == expected, (
+                    f"{new.req_id} resumed with {new.prompt_token_ids}, worker has {expected}")
             plen = self.prompt_lens.setdefault(new.req_id, len(new.prompt_token_ids))
             self.reqs[new.req_id] = _WorkerReq(plen, len(new.prompt_token_ids))
         for rid, c in zip(so.scheduled_cached_reqs.req_ids,
                           so.scheduled_cached_reqs.num_computed_tokens, strict=True):
+            if self.strict:
+                assert self.reqs[rid].num_computed == c, (
+                    f"{rid}: scheduler says {c} computed, worker has {self.reqs[rid]}")
             self.reqs[rid].num_computed = c
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id].num_computed = new.num_computed_tokens
@@ -60,11 +77,14 @@ class FakeExecutor:
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
             end = r.num_computed + n
+            if self.strict:
+                assert end <= r.num_tokens, f"{rid}: computes position {end - 1} of {r}"
             ids: list[int] = []
             if end >= r.num_tokens:  # reached the end of the sequence: this step samples
                 out_index = end - r.prompt_len + 1
                 ids = [EOS if self.eos_at.get(rid) == out_index else token_for(rid, end)]
                 r.num_tokens = end + 1
+                self.sampled.setdefault(rid, []).extend(ids)
             r.num_computed = end
             req_ids.append(rid)
             sampled.append(ids)
