@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,12 +48,42 @@ _BLOCK_NAMES: dict[str, str] = {
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+# Parsed readers by (resolved path, size, mtime): the config, the weights and the chat
+# template all come from one parse per process. A reader only holds a memory map, so
+# keeping a few is cheap; a changed file gets a new key and is parsed again.
+_READERS: OrderedDict[tuple[str, int, int], GGUFReader] = OrderedDict()
+_READERS_MAX = 4
+_READERS_LOCK = threading.Lock()
+
+
 def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF file, turning any parse failure into a ``ModelLoadError`` naming the file."""
+    """Open (or reuse) a parsed GGUF file; parse failures become ``ModelLoadError``."""
     try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted errors on truncated/corrupt files
+        resolved = Path(path).resolve()
+        st = resolved.stat()
+    except OSError as exc:
         raise ModelLoadError(f"could not read GGUF file {path}: {exc}") from exc
+    key = (str(resolved), st.st_size, st.st_mtime_ns)
+    # Held while parsing so that two threads asking for the same file parse it once.
+    with _READERS_LOCK:
+        reader = _READERS.get(key)
+        if reader is not None:
+            _READERS.move_to_end(key)
+            return reader
+        try:
+            reader = GGUFReader(resolved)
+        except Exception as exc:  # the reader raises assorted errors on truncated/corrupt files
+            raise ModelLoadError(f"could not read GGUF file {path}: {exc}") from exc
+        _READERS[key] = reader
+        while len(_READERS) > _READERS_MAX:
+            _READERS.popitem(last=False)
+        return reader
+
+
+def clear_gguf_readers() -> None:
+    """Forget every parsed GGUF file (tests; or to release the memory maps)."""
+    with _READERS_LOCK:
+        _READERS.clear()
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:

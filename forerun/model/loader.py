@@ -13,6 +13,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from forerun.model.base import CausalLM
+from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
 from forerun.model.gguf_file import gguf_chat_template, gguf_hf_config, gguf_weights, open_gguf
@@ -43,10 +44,26 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"could not read {path}: {exc}") from exc
 
 
+def _gguf_config(source: ModelSource) -> ModelConfig:
+    entry = GGUFCacheEntry.for_source(source)
+    cached = entry.load_config() if entry is not None else None
+    if entry is not None and cached is not None:
+        try:
+            return ModelConfig.from_hf_dict(cached["config"])
+        except Exception as exc:  # a stale or hand-edited entry: rebuild it
+            entry.discard_config(exc)
+    reader = open_gguf(source.gguf_path)
+    hf_config = gguf_hf_config(reader)
+    config = ModelConfig.from_hf_dict(hf_config)
+    if entry is not None:
+        entry.save_config(hf_config, gguf_chat_template(reader))
+    return config
+
+
 def load_model_config(source: ModelSource) -> ModelConfig:
     """Read the model's hyper-parameters from config.json (+generation_config.json) or GGUF."""
     if source.is_gguf:
-        return ModelConfig.from_hf_dict(gguf_hf_config(open_gguf(source.gguf_path)))
+        return _gguf_config(source)
     config_path = source.path / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"model folder {source.path} has no config.json")
@@ -83,8 +100,14 @@ def load_model(
     with torch.device("meta"):
         model = cls(config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    weights, total = _weights(source)
-    model.load_weights(_with_progress(weights, total, source.name))
+    entry = GGUFCacheEntry.for_source(source)
+    if entry is not None and entry.load_weights(model):
+        logger.info("weights of %s read from the cache %s", source.name, entry.folder)
+    else:
+        weights, total = _weights(source)
+        model.load_weights(_with_progress(weights, total, source.name))
+        if entry is not None:
+            entry.save_weights(model)
     model.eval()
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s",
@@ -94,7 +117,12 @@ def load_model(
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (from tokenizer.json or from the GGUF vocabulary)."""
+    """The model's tokenizer (from tokenizer.json, or converted from the GGUF vocabulary)."""
+    entry = GGUFCacheEntry.for_source(source)
+    if entry is not None:
+        tok = entry.load_tokenizer()
+        if tok is not None:
+            return tok
     try:
         if source.is_gguf:
             tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
@@ -108,4 +136,6 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
         template = gguf_chat_template(open_gguf(source.gguf_path))
         if template:
             tok.chat_template = template
+    if entry is not None:
+        entry.save_tokenizer(tok)
     return tok
