@@ -21,7 +21,7 @@ class SamplingType(IntEnum):
 class SamplingParams:
     """What to generate for one prompt, and when to stop.
 
-    Mirrors ``vllm.SamplingParams``: ``temperature == 0`` means greedy; ``top_k`` of -1 or 0
+    Mirrors ``vllm.SamplingParams``: ``temperature == 0`` means greedy; ``top_k`` of -1
     means no top-k; ``seed`` makes a request's random stream independent of its batch.
     Invalid values raise ``ValueError`` whose message starts with the field name, so the
     server can report it as the OpenAI ``param``.
@@ -30,7 +30,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = -1
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -52,8 +52,6 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == 0:
-            self.top_k = -1
         self._verify()
         self._all_stop_token_ids = set(self.stop_token_ids)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,7 +16,7 @@ from forerun.core.kv_cache_manager import KVCacheManager
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.engine.core import EngineCore
 from forerun.model.config import ModelConfig
-from forerun.model.loader import load_model, load_model_config
+from forerun.model.loader import load_model, load_model_config, load_tokenizer
 from forerun.model.source import ModelSource, resolve_model
 from forerun.trace import Tracer
 from forerun.worker.executor import Executor
@@ -64,6 +66,30 @@ def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,
     return int(n)
 
 
+# Engines in one process that serve the same weights share one read-only model (tests
+# and benchmarks build several engines); it is freed when the last engine goes away.
+_MODELS: weakref.WeakValueDictionary[tuple, torch.nn.Module] = weakref.WeakValueDictionary()
+_TOKENIZERS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def shared_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    key = (str(info.source.path), info.source.gguf_file, dtype, str(device))
+    model = _MODELS.get(key)
+    if model is None:
+        model = load_model(info.source, info.model_config, dtype, device)
+        _MODELS[key] = model
+    return model
+
+
+def shared_tokenizer(info: ModelInfo) -> Any:
+    key = f"{info.source.path}|{info.source.gguf_file}"
+    tok = _TOKENIZERS.get(key)
+    if tok is None:
+        tok = load_tokenizer(info.source)
+        _TOKENIZERS[key] = tok
+    return tok
+
+
 def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> EngineCore:
     """Load the model on a worker thread and wire scheduler, executor and core together."""
     info = info or resolve_model_info(config)
@@ -76,6 +102,11 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
     torch.manual_seed(config.seed)
     bs = config.block_size
     num_blocks = num_kv_blocks(config, info, dtype, device)
+    if num_blocks * bs < info.max_model_len:
+        # A sequence that outgrows the whole cache could only preempt itself forever.
+        logger.warning("max_model_len %d does not fit in %d KV blocks of %d; lowering it to %d",
+                       info.max_model_len, num_blocks, bs, num_blocks * bs)
+        info.max_model_len = num_blocks * bs
     tracer = Tracer(enabled=config.trace_file is not None)
     kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
     defer = config.defer_block_free if config.defer_block_free is not None else depth > 1
@@ -88,7 +119,7 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
     scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv)
 
     def make_runner() -> ModelRunner:
-        model = load_model(info.source, mc, dtype, device)
+        model = shared_model(info, dtype, device)
         return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer)
 

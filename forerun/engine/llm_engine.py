@@ -8,10 +8,9 @@ from typing import Any
 
 from forerun.config import EngineConfig
 from forerun.core.block_hash import make_block_hasher
-from forerun.engine.builder import build_engine_core, resolve_model_info
+from forerun.engine.builder import build_engine_core, resolve_model_info, shared_tokenizer
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.processor import Processor, PromptType
-from forerun.model.loader import load_tokenizer
 from forerun.outputs import RequestOutput
 from forerun.request import Request
 from forerun.sampling_params import SamplingParams
@@ -25,7 +24,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_info = info = resolve_model_info(config)
-        self.tokenizer = load_tokenizer(info.source)
+        self.tokenizer = shared_tokenizer(info)
         self.engine_core = build_engine_core(config, info)
         self.scheduler = self.engine_core.scheduler
         self.executor = self.engine_core.executor
