@@ -108,6 +108,7 @@ class LLM:
                 engine.step()
             raise
         finally:
+            engine.close_stats_window()
             bar.close()
             engine.write_trace()
         return [finished[i] for i in ids]

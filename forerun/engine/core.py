@@ -49,7 +49,8 @@ class EngineCore:
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         self.async_scheduling = (
             max_concurrent_batches > 1 if async_scheduling is None else async_scheduling)
-        self._busy_wall_s = 0.0
+        self._window_start = time.perf_counter()
+        self._window_end: float | None = None
 
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -63,13 +64,9 @@ class EngineCore:
 
     # ----- loops ------------------------------------------------------------------------
     def run_step(self) -> list[EngineCoreOutput]:
-        t0 = time.perf_counter()
-        try:
-            if self.max_concurrent_batches == 1:
-                return self.step()
-            return self.step_with_batch_queue()
-        finally:
-            self._busy_wall_s += time.perf_counter() - t0
+        if self.max_concurrent_batches == 1:
+            return self.step()
+        return self.step_with_batch_queue()
 
     def _schedule(self) -> SchedulerOutput:
         with self.tracer.span("schedule", ENGINE_LANE, self.scheduler.sched_step_seq + 1):
@@ -126,14 +123,19 @@ class EngineCore:
 
     # ----- stats ------------------------------------------------------------------------
     def reset_stats_window(self) -> None:
-        """Start a new window for ``device_busy_fraction``."""
+        """Start a new window for ``device_busy_fraction`` (e.g. one generate call)."""
         self.tracer.device_busy_s = 0.0
-        self._busy_wall_s = 0.0
+        self._window_start = time.perf_counter()
+        self._window_end = None
+
+    def close_stats_window(self) -> None:
+        self._window_end = time.perf_counter()
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
         kv = self.scheduler.kv_cache_manager
         deferred = sum(len(b) for _, b in self.scheduler.deferred_frees)
+        wall = (self._window_end or time.perf_counter()) - self._window_start
         return {
             "steps": s.steps,
             "num_preemptions": s.num_preemptions,
@@ -147,8 +149,8 @@ class EngineCore:
             "kv_cache_usage": kv.block_pool.get_usage(),
             "async_scheduling": self.async_scheduling,
             "max_concurrent_batches": self.max_concurrent_batches,
-            "device_busy_fraction": (
-                self.tracer.device_busy_s / self._busy_wall_s if self._busy_wall_s else 0.0),
+            # Worker time in forward + sample over the wall time of the window.
+            "device_busy_fraction": self.tracer.device_busy_s / wall if wall > 0 else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

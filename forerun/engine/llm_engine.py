@@ -14,6 +14,7 @@ from forerun.engine.processor import Processor, PromptType
 from forerun.outputs import RequestOutput
 from forerun.request import Request
 from forerun.sampling_params import SamplingParams
+from forerun.trace import ENGINE_LANE
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.run_step()
-        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        with self.tracer.span("output", ENGINE_LANE):
+            outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         return outputs
@@ -67,6 +69,9 @@ class LLMEngine:
     # ----- stats, shutdown --------------------------------------------------------------
     def reset_stats_window(self) -> None:
         self.engine_core.reset_stats_window()
+
+    def close_stats_window(self) -> None:
+        self.engine_core.close_stats_window()
 
     def stats(self) -> dict[str, Any]:
         return self.engine_core.stats()
