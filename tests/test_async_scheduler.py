@@ -88,6 +88,41 @@ def test_aborts_in_scrambled_order_keep_exactly_the_delivered_outputs(depth):
     h.assert_all_released()
 
 
+@pytest.mark.parametrize("depth", [2, 3])
+def test_aborts_with_a_full_queue_in_flight_discard_every_in_flight_step(depth):
+    # Abort right after a call has scheduled its step and before it processes the
+    # oldest: `depth` steps of the victim are in flight and all of them are discarded.
+    order = [2, 0, 3, 1]
+    h = Harness(async_scheduling=True, depth=depth, num_blocks=64, block_size=16)
+    for i in range(4):
+        h.add(make_request(f"r{i}", distinct_prompt(i, 8), 100, 16))
+    victims = iter(order)
+    aborted_with: dict[str, int] = {}
+
+    def abort_next(so):
+        if so.step_id < depth:  # let the queue fill first
+            return
+        rid = next(victims, None)
+        if rid is None:
+            return
+        rid = f"r{rid}"
+        assert len(h.in_flight) == depth
+        aborted_with[rid] = len(h.outputs[rid])
+        h.abort(rid)
+
+    h.on_schedule.append(abort_next)
+    h.run_until_idle()
+    for pos, victim in enumerate(order):
+        rid = f"r{victim}"
+        # Call k = depth + 1 + pos schedules step k and aborts before processing step
+        # k - depth + 1; the victim holds the outputs of steps 1 .. k - depth.
+        assert aborted_with[rid] == 1 + pos
+        assert h.outputs[rid] == expected_output(rid, 8, 100, None)[0][: 1 + pos]
+        assert h.finish_reason[rid] == "abort"
+    assert h.scheduler.stats.wasted_tokens == 4 * depth
+    h.assert_all_released()
+
+
 def test_abort_of_a_waiting_request_never_schedules_it():
     h = Harness(async_scheduling=True, depth=2, num_blocks=64, block_size=16,
                 max_num_seqs=1)

@@ -40,6 +40,8 @@ class Workload:
     budget: int
     max_num_seqs: int
     defer_block_free: bool
+    max_model_len: int
+    enable_caching: bool
 
     @property
     def has_aborts(self) -> bool:
@@ -75,6 +77,9 @@ def workloads(draw: st.DrawFn, with_aborts: bool) -> Workload:
         budget=draw(st.integers(4, 64)),
         max_num_seqs=draw(st.integers(1, 8)),
         defer_block_free=draw(st.booleans()),
+        # Either out of reach or short enough (prompts are at most 60) to cut outputs.
+        max_model_len=draw(st.sampled_from([4096]) | st.integers(61, 80)),
+        enable_caching=draw(st.booleans()),
     )
 
 
@@ -86,6 +91,8 @@ def run(w: Workload, async_scheduling: bool, depth: int) -> Harness:
         block_size=w.block_size,
         max_num_batched_tokens=w.budget,
         max_num_seqs=w.max_num_seqs,
+        max_model_len=w.max_model_len,
+        enable_caching=w.enable_caching,
         defer_block_free=w.defer_block_free if depth > 1 else False,
         eos_at={r.req_id: r.eos_at for r in w.reqs if r.eos_at is not None},
     )
@@ -105,14 +112,16 @@ def run(w: Workload, async_scheduling: bool, depth: int) -> Harness:
     return h
 
 
-def oracle(r: ReqSpec) -> tuple[list[int], str]:
-    return expected_output(r.req_id, len(r.prompt), r.max_tokens, r.eos_at)
+def oracle(r: ReqSpec, max_model_len: int) -> tuple[list[int], str]:
+    # The sequence may not outgrow max_model_len: a length cap like max_tokens.
+    cap = min(r.max_tokens, max_model_len - len(r.prompt))
+    return expected_output(r.req_id, len(r.prompt), cap, r.eos_at)
 
 
 ENGINES = [(False, 1), (True, 2), (True, 3)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(with_aborts=False))
 def test_without_aborts_every_engine_delivers_the_oracle_outputs(w: Workload):
     results = {}
@@ -121,19 +130,19 @@ def test_without_aborts_every_engine_delivers_the_oracle_outputs(w: Workload):
         results[depth] = {r.req_id: (h.outputs[r.req_id], h.finish_reason[r.req_id])
                           for r in w.reqs}
         for r in w.reqs:
-            assert results[depth][r.req_id] == oracle(r), (depth, r)
+            assert results[depth][r.req_id] == oracle(r, w.max_model_len), (depth, r)
         if not async_scheduling:
             assert h.scheduler.stats.wasted_tokens == 0
     assert results[2] == results[1] and results[3] == results[1]
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(with_aborts=True))
 def test_with_aborts_outputs_are_lossless_prefixes(w: Workload):
     for async_scheduling, depth in ENGINES:
         h = run(w, async_scheduling, depth)
         for r in w.reqs:
-            full, reason = oracle(r)
+            full, reason = oracle(r, w.max_model_len)
             got, got_reason = h.outputs[r.req_id], h.finish_reason[r.req_id]
             if got_reason == "abort":
                 assert r.abort_at is not None
