@@ -1,0 +1,102 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi.responses import Response, StreamingResponse
+
+from forerun.engine.async_llm import RequestStream
+from forerun.engine.chat import apply_chat_template
+from forerun.engine.core_client import EngineDeadError
+from forerun.server.errors import APIError, engine_dead_error
+from forerun.server.protocol import ChatCompletionRequest
+from forerun.server.responses import (
+    SSE_DONE,
+    UNSET,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessage,
+    ErrorBody,
+    ErrorInfo,
+    Usage,
+    encode,
+    sse,
+)
+from forerun.server.serving import (
+    ServingContext,
+    check_model,
+    final_outputs,
+    new_id,
+    now_s,
+    start_requests,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    try:
+        return apply_chat_template(ctx.engine.tokenizer, body.messages,
+                                   add_generation_prompt=body.add_generation_prompt)
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc)) from None
+    except jinja2.TemplateError as exc:
+        # Templates raise for conversations they cannot render (e.g. role order).
+        raise APIError.bad_request(f"messages: the chat template rejected them: {exc}",
+                                   "messages") from None
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest) -> Response:
+    check_model(ctx, body.model)
+    ids = _prompt_ids(ctx, body)
+    rid = new_id("chatcmpl")
+    streams = start_requests(ctx, body, rid, [{"prompt_token_ids": ids}],
+                             body.requested_max_tokens, None)
+    if body.stream:
+        return StreamingResponse(_stream(ctx, body, rid, streams[0]),
+                                 media_type="text/event-stream")
+    try:
+        (out,) = await final_outputs(streams)
+    except EngineDeadError as exc:
+        raise engine_dead_error(exc) from None
+    c = out.outputs[0]
+    resp = ChatCompletion(
+        rid, now_s(), ctx.model_name,
+        [ChatChoice(0, ChatMessage("assistant", c.text), finish_reason=c.finish_reason)],
+        Usage.of(len(out.prompt_token_ids), len(c.token_ids)))
+    return Response(encode(resp), media_type="application/json")
+
+
+async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
+                  stream: RequestStream) -> AsyncIterator[bytes]:
+    created, usage_on = now_s(), body.include_usage
+    usage = None if usage_on else UNSET
+
+    def chunk(delta: ChatDelta, finish: str | None) -> bytes:
+        return sse(ChatCompletionChunk(rid, created, ctx.model_name,
+                                       [ChatChunkChoice(0, delta, finish_reason=finish)],
+                                       usage=usage))
+
+    sent, n_prompt, n_gen = 0, 0, 0
+    try:
+        yield chunk(ChatDelta(role="assistant", content=""), None)
+        async for out in stream:
+            c = out.outputs[0]
+            text, sent = c.text[sent:], len(c.text)
+            n_prompt, n_gen = len(out.prompt_token_ids), len(c.token_ids)
+            yield chunk(ChatDelta(content=text), c.finish_reason)
+        if usage_on:
+            yield sse(ChatCompletionChunk(rid, created, ctx.model_name, [],
+                                          usage=Usage.of(n_prompt, n_gen)))
+    except EngineDeadError as exc:
+        err = engine_dead_error(exc)
+        yield sse(ErrorBody(ErrorInfo(err.message, err.type, None, err.code)))
+    finally:
+        stream.abort()
+    yield SSE_DONE

@@ -1,0 +1,101 @@
+"""``POST /v1/completions``: one choice per prompt, streamed or whole."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi.responses import Response, StreamingResponse
+
+from forerun.engine.async_llm import RequestStream
+from forerun.engine.core_client import EngineDeadError
+from forerun.server.errors import APIError, engine_dead_error
+from forerun.server.protocol import CompletionRequest, completion_prompts
+from forerun.server.responses import (
+    SSE_DONE,
+    UNSET,
+    Completion,
+    CompletionChoice,
+    ErrorBody,
+    ErrorInfo,
+    Usage,
+    encode,
+    sse,
+)
+from forerun.server.serving import (
+    ServingContext,
+    check_model,
+    final_outputs,
+    merge_streams,
+    new_id,
+    now_s,
+    start_requests,
+)
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+def _prompt_text(ctx: ServingContext, prompt: str | None, ids: list[int]) -> str:
+    if prompt is not None:
+        return prompt
+    return ctx.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest) -> Response:
+    check_model(ctx, body.model)
+    try:
+        prompts = completion_prompts(body.prompt)
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc)) from None
+    rid = new_id("cmpl")
+    streams = start_requests(ctx, body, rid, prompts, body.max_tokens, _DEFAULT_MAX_TOKENS)
+    if body.stream:
+        return StreamingResponse(_stream(ctx, body, rid, streams),
+                                 media_type="text/event-stream")
+    try:
+        outs = await final_outputs(streams)
+    except EngineDeadError as exc:
+        raise engine_dead_error(exc) from None
+    choices, n_prompt, n_gen = [], 0, 0
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        text = c.text
+        if body.echo:
+            text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
+        choices.append(CompletionChoice(i, text, finish_reason=c.finish_reason))
+        n_prompt += len(out.prompt_token_ids)
+        n_gen += len(c.token_ids)
+    resp = Completion(rid, now_s(), ctx.model_name, choices, usage=Usage.of(n_prompt, n_gen))
+    return Response(encode(resp), media_type="application/json")
+
+
+async def _stream(ctx: ServingContext, body: CompletionRequest, rid: str,
+                  streams: list[RequestStream]) -> AsyncIterator[bytes]:
+    created, usage_on = now_s(), body.include_usage
+    sent = [0] * len(streams)
+    n_prompt, n_gen = [0] * len(streams), [0] * len(streams)
+    try:
+        async for i, out in merge_streams(streams):
+            c = out.outputs[0]
+            text = c.text[sent[i]:]
+            if body.echo and sent[i] == 0 and n_gen[i] == 0:
+                text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
+            sent[i] = len(c.text)
+            n_prompt[i], n_gen[i] = len(out.prompt_token_ids), len(c.token_ids)
+            chunk = Completion(rid, created, ctx.model_name,
+                               [CompletionChoice(i, text, finish_reason=c.finish_reason)],
+                               usage=None if usage_on else UNSET)
+            yield sse(chunk)
+        if usage_on:
+            yield sse(Completion(rid, created, ctx.model_name, [],
+                                 usage=Usage.of(sum(n_prompt), sum(n_gen))))
+    except EngineDeadError as exc:
+        err = engine_dead_error(exc)
+        yield sse(ErrorBody(ErrorInfo(err.message, err.type, None, err.code)))
+    finally:
+        # Runs on client disconnect too (the response task is cancelled): free KV blocks.
+        for s in streams:
+            s.abort()
+    yield SSE_DONE

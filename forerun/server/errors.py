@@ -1,0 +1,99 @@
+"""OpenAI-shaped error bodies, and the exception handlers that produce them."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forerun.engine.core_client import EngineDeadError
+from forerun.server.responses import ErrorBody, ErrorInfo, encode
+
+logger = logging.getLogger(__name__)
+
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::|\s)")
+# Processor errors name the engine's field; the client knows it by the API's name.
+_PARAM_ALIASES = {"prompt_token_ids": "prompt"}
+
+
+class APIError(Exception):
+    """An error to return as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None) -> APIError:
+        return cls(400, message, "BadRequestError", param or param_of(message))
+
+
+def param_of(message: str) -> str | None:
+    """The field a ValueError message starts with (our convention), if any."""
+    m = _FIELD.match(message)
+    if m is None:
+        return None
+    return _PARAM_ALIASES.get(m.group(1), m.group(1))
+
+
+def error_response(err: APIError) -> Response:
+    body = ErrorBody(ErrorInfo(err.message, err.type, err.param, err.code))
+    return Response(encode(body), status_code=err.status, media_type="application/json")
+
+
+def engine_dead_error(exc: BaseException) -> APIError:
+    return APIError(503, f"the engine is not available: {exc}", "ServiceUnavailableError",
+                    code="engine_dead")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError.bad_request("invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    msg = str(first.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    # Skip the union-member names pydantic adds, e.g. ('prompt', 'list[int]', 0).
+    fields = [p for p in loc if not re.match(r"^(str|int|float|list|dict|function)", p)]
+    param = fields[0] if fields else param_of(msg)
+    if first.get("type") == "json_invalid":
+        return APIError.bad_request(f"invalid JSON body: {msg}")
+    if param and not msg.startswith(param):
+        msg = f"{param}: {msg}"
+    return APIError.bad_request(msg, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> Response:
+        return error_response(engine_dead_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error",
+                                       code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {exc}", "InternalServerError"))

@@ -1,0 +1,133 @@
+"""OpenAI request bodies (pydantic, validated by FastAPI) and how they map to SamplingParams."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from forerun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# OpenAI fields we do not implement, with the values that mean "off": those are accepted,
+# anything else is a 400 naming the field rather than a silently different result.
+_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _BaseRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    # Unknown fields are ignored (with a log line), like OpenAI ignores what it doesn't know.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> _BaseRequest:
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            allowed = _UNSUPPORTED_DEFAULTS.get(name)
+            if allowed is None:
+                logger.info("ignoring unknown request field %r", name)
+            elif value not in allowed:
+                raise ValueError(f"{name}: is not supported by this server (got {value!r})")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams for this body; ValueErrors start with the offending field."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            n=self.n,
+        )
+
+
+class CompletionRequest(_BaseRequest):
+    """``POST /v1/completions``: prompt is text, texts, token ids or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+
+
+class ChatCompletionRequest(_BaseRequest):
+    """``POST /v1/chat/completions``; messages are checked by the chat-template helpers."""
+
+    messages: Any
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """Split a completions ``prompt`` into engine prompts, one per choice."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError("prompt: must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[arg-type]
+    raise ValueError("prompt: must be a string, a list of strings, or token ids")

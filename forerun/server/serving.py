@@ -1,0 +1,120 @@
+"""Pieces shared by the completion and chat handlers: ids, validation, merging streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from forerun.engine.async_llm import AsyncLLM, RequestStream
+from forerun.engine.processor import ProcessedPrompt
+from forerun.outputs import RequestOutput
+from forerun.sampling_params import SamplingParams
+from forerun.server.errors import APIError
+from forerun.server.protocol import _BaseRequest
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """What every handler needs: the engine and how the server presents itself."""
+
+    engine: AsyncLLM
+    model_name: str
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError",
+                       param="model", code="model_not_found")
+
+
+def resolve_max_tokens(ctx: ServingContext, requested: int | None, default: int | None,
+                       prompt_len: int) -> int:
+    """Explicit max_tokens must fit the context; a missing one is capped to what is left."""
+    room = ctx.engine.max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else max(1, min(default, room))
+    if requested >= 1 and requested > room:
+        raise APIError.bad_request(
+            f"max_tokens: this model's maximum context length is {ctx.engine.max_model_len} "
+            f"tokens; the prompt has {prompt_len} tokens, so at most {room} can be "
+            f"generated, but {requested} were requested", "max_tokens")
+    return requested
+
+
+def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
+                   prompts: Sequence[Any], requested: int | None,
+                   default_max: int | None) -> list[RequestStream]:
+    """Validate every prompt first, then queue them all: a bad one queues nothing."""
+    engine = ctx.engine
+    plans: list[tuple[ProcessedPrompt, SamplingParams]] = []
+    try:
+        for p in prompts:
+            processed = engine.processor.process_prompt(p)
+            n = len(processed.prompt_token_ids)
+            params = body.sampling_params(resolve_max_tokens(ctx, requested, default_max, n))
+            plans.append((processed, params))
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc)) from None
+    streams: list[RequestStream] = []
+    try:
+        for i, (processed, params) in enumerate(plans):
+            rid = base_id if len(plans) == 1 else f"{base_id}-{i}"
+            prompt = {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}
+            streams.append(engine.add_request(rid, prompt, params))
+    except ValueError as exc:
+        for s in streams:
+            s.abort()
+        raise APIError.bad_request(str(exc)) from None
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Run every request to the end; the last output of each, in request order."""
+    last: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in merge_streams(streams):
+            last[i] = out
+    finally:
+        for s in streams:
+            s.abort()
+    assert all(o is not None for o in last)
+    return last  # type: ignore[return-value]
