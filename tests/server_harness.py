@@ -1,0 +1,92 @@
+"""Start real ``forerun serve`` subprocesses for the server tests, once per test session.
+
+Servers are cached by their arguments so test_server.py and test_bench_serve.py share one;
+each runs in its own process group, which is killed at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+BASE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
+             "--max-model-len", "2048"]
+
+
+@dataclass(slots=True)
+class ServerHandle:
+    """A running server: its process and base URL."""
+
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    log_path: str
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in the group
+        except ProcessLookupError:
+            pass
+
+
+_servers: dict[tuple[str, ...], ServerHandle] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra: str) -> ServerHandle:
+    """Start (or reuse) a server with ``extra`` arguments; does not wait for health."""
+    key = tuple(extra)
+    if key in _servers and _servers[key].proc.poll() is None:
+        return _servers[key]
+    port = free_port()
+    log_path = f"/tmp/forerun-test-server-{port}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - the child keeps writing to it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forerun.cli", "serve", "--host", "127.0.0.1",
+         "--port", str(port), *BASE_ARGS, *extra],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
+    _servers[key] = handle
+    return handle
+
+
+@atexit.register
+def _stop_all() -> None:
+    for handle in _servers.values():
+        handle.stop()

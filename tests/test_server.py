@@ -1,0 +1,325 @@
+"""End-to-end tests of ``forerun serve`` through the official ``openai`` client.
+
+One server (engine in its own process) serves the whole module; a second, small one checks
+``--api-key`` and, last, what happens when its engine process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from forerun import SamplingParams
+from tests.server_harness import MODEL, ServerHandle, start_server
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-forerun-test"
+PROMPT = "Hello, my name is"
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def env(llm_cache: Any) -> dict[str, Any]:
+    # Boot both servers while the offline reference engine runs in this process.
+    main = start_server()
+    keyed = start_server("--api-key", API_KEY, "--max-model-len", "512")
+    llm = llm_cache()
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    ref_completion = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0]
+    ref_chat = llm.chat(CHAT, greedy, use_tqdm=False)[0].outputs[0]
+    main.wait_healthy()
+    keyed.wait_healthy()
+    return {"main": main, "keyed": keyed, "ref_completion": ref_completion,
+            "ref_chat": ref_chat}
+
+
+@pytest.fixture(scope="module")
+def server(env: dict[str, Any]) -> ServerHandle:
+    return env["main"]
+
+
+@pytest.fixture()
+def client(server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def scrape(server: ServerHandle) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                continue
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def wait_idle(server: ServerHandle, timeout_s: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(server)
+        idle = (m["forerun:num_requests_running"] == 0
+                and m["forerun:num_requests_waiting"] == 0
+                and m["forerun:kv_cache_usage_perc"] == 0.0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+# ----- basics -------------------------------------------------------------------------------
+def test_health_version_models(server: ServerHandle, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_matches_offline(env: dict[str, Any], client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].text == env["ref_completion"].text
+    assert r.choices[0].finish_reason == env["ref_completion"].finish_reason
+    assert r.usage.completion_tokens == len(env["ref_completion"].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_matches_offline(env: dict[str, Any], client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
+                                       temperature=0)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == env["ref_chat"].text
+    assert r.usage.completion_tokens == len(env["ref_chat"].token_ids)
+    # max_completion_tokens is the newer name of max_tokens.
+    r2 = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=4,
+                                        temperature=0)
+    assert r2.usage.completion_tokens == 4 and r2.choices[0].finish_reason == "length"
+
+
+def test_completion_token_prompts_and_echo(env: dict[str, Any], client: openai.OpenAI) -> None:
+    ids = env["ref_completion"]  # reuse: prompt as token ids must give the same text
+    r = client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT], max_tokens=16,
+                                  temperature=0, echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.text == PROMPT + ids.text for c in r.choices)
+
+
+# ----- streaming ----------------------------------------------------------------------------
+def test_streaming_completion_equals_whole(env: dict[str, Any], client: openai.OpenAI) -> None:
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == env["ref_completion"].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streaming_chat_equals_whole(env: dict[str, Any], client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].object == "chat.completion.chunk"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == env["ref_chat"].text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(env["ref_chat"].token_ids)
+
+
+def test_stop_strings(env: dict[str, Any], client: openai.OpenAI) -> None:
+    full = env["ref_completion"].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    expected = full[:full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                  stop=[stop])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                         temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                  stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == expected + stop
+
+
+# ----- errors -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 2}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"extra_body": {"top_k": -5}}, "top_k"),
+])
+def test_bad_completion_params(client: openai.OpenAI, kwargs: dict[str, Any],
+                               param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["param"] == param and param in err["message"]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    ("hello", "messages"),
+    ([], "messages"),
+])
+def test_bad_chat_messages(client: openai.OpenAI, messages: Any, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages)
+    assert e.value.body["param"] == param and param in e.value.body["message"]
+
+
+def test_harmless_defaults_accepted(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                  logprobs=None, presence_penalty=0, frequency_penalty=0.0,
+                                  logit_bias=None, user="someone")
+    assert r.usage.completion_tokens == 2
+
+
+def test_non_json_body_is_400(server: ServerHandle) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", content=b"{nope",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"]
+
+
+def test_unknown_model_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt=PROMPT)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_prompt_too_long_400(env: dict[str, Any]) -> None:
+    keyed = env["keyed"]  # max_model_len 512
+    c = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="hello " * 600, max_tokens=4)
+    assert e.value.body["param"] == "prompt" and "512" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=600)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_api_key(env: dict[str, Any]) -> None:
+    keyed = env["keyed"]
+    bad = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert e.value.status_code == 401
+    assert httpx.get(f"{keyed.base_url}/v1/models").status_code == 401
+    assert httpx.get(f"{keyed.base_url}/health").status_code == 200  # health is open
+    good = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=API_KEY, max_retries=0)
+    r = good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+# ----- concurrency, disconnects, metrics ----------------------------------------------------
+def test_32_concurrent_streams(server: ServerHandle) -> None:
+    prompts = [f"Story {i}: once upon a time" for i in range(32)]
+
+    async def run() -> tuple[list[str], list[str]]:
+        c = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+        async def whole(p: str) -> str:
+            r = await c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
+            return r.choices[0].text
+
+        async def streamed(p: str) -> str:
+            s = await c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
+                                           stream=True)
+            return "".join([ch.choices[0].text async for ch in s])
+
+        a = await asyncio.gather(*(whole(p) for p in prompts))
+        b = await asyncio.gather(*(streamed(p) for p in prompts))
+        await c.close()
+        return a, b
+
+    whole_texts, streamed_texts = asyncio.run(run())
+    assert streamed_texts == whole_texts
+    assert all(t for t in whole_texts)
+
+
+def test_disconnect_frees_blocks(server: ServerHandle, client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data:")
+            if seen == 3:
+                # Scrape while still reading: leaving iter_lines closes the connection.
+                busy = scrape(server)
+                assert busy["forerun:num_requests_running"] == 1
+                assert busy["forerun:kv_cache_usage_perc"] > 0
+                break
+    # The connection is closed mid-stream, 997 tokens early.
+    m = wait_idle(server)
+    assert m["forerun:num_requests_running"] == 0
+    assert m["forerun:kv_cache_usage_perc"] == 0.0
+    r2 = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r2.usage.completion_tokens == 2
+
+
+def test_metrics_move(server: ServerHandle, client: openai.OpenAI) -> None:
+    before = scrape(server)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    after = wait_idle(server)
+    for name in ("forerun:prompt_tokens_total", "forerun:generation_tokens_total",
+                 "forerun:time_to_first_token_seconds_count",
+                 "forerun:e2e_request_latency_seconds_count",
+                 "forerun:request_queue_time_seconds_count",
+                 "forerun:inter_token_latency_seconds_count",
+                 "forerun:prefix_cache_queries_total"):
+        assert after[name] > before.get(name, 0.0), name
+    assert after["forerun:generation_tokens_total"] - before[
+        "forerun:generation_tokens_total"] == 5
+    for name in ("forerun:num_preemptions_total", "forerun:prefix_cache_hits_total",
+                 "forerun:wasted_tokens_total"):
+        assert name in after
+
+
+# ----- engine death (last: it breaks the keyed server) --------------------------------------
+def _engine_pid(server_pid: int) -> int:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmd:
+            return int(entry)
+    raise AssertionError("no engine core process found")
+
+
+def test_engine_death_is_reported(env: dict[str, Any]) -> None:
+    keyed = env["keyed"]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    os.kill(_engine_pid(keyed.proc.pid), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{keyed.base_url}/health").status_code != 503:
+        assert time.monotonic() < deadline, "health still 200 after the engine died"
+        time.sleep(0.2)
+    r = httpx.post(f"{keyed.base_url}/v1/completions", headers=headers,
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["message"]
+    keyed.stop()
+    assert keyed.proc.poll() is not None
