@@ -37,6 +37,8 @@ class EngineConfig:
     max_concurrent_batches: int | None = None
     defer_block_free: bool | None = None
     trace_file: str | None = None
+    # A grammar still compiling after this long finishes its request with an error.
+    structured_outputs_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

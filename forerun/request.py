@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import Any
 
 from forerun.sampling_params import SamplingParams
 
@@ -88,6 +89,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission
         self.first_scheduled_time: float | None = None
+        # The grammar's compile future and matcher (forerun.structured.manager), if any.
+        self.structured_output_request: Any = None
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

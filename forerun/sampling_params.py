@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+
+from forerun.structured.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 
@@ -40,7 +41,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
-    structured_outputs: Any = None
+    # A StructuredOutputsParams (a dict with its fields is accepted and converted).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: the model's EOS ids that end generation unless ignore_eos.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -52,6 +54,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         self._verify()
         self._all_stop_token_ids = set(self.stop_token_ids)
 

@@ -6,6 +6,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from forerun.core.block_pool import KVCacheBlock
 from forerun.core.kv_cache_manager import KVCacheManager, cdiv
@@ -17,6 +18,11 @@ from forerun.core.output import (
     SchedulerOutput,
 )
 from forerun.request import Request, RequestStatus
+from forerun.structured.manager import GrammarEvent, Readiness
+
+if TYPE_CHECKING:
+    from forerun.structured.bitmask import GrammarBitmask
+    from forerun.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +57,18 @@ class Scheduler:
     makes prefill chunked). Pass 1 walks running requests; pass 2 admits waiting ones.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
+        # Compiles grammars, advances them with delivered tokens, builds step bitmasks.
+        self.structured_output_manager = structured_output_manager
+        # Requests finished outside a step (grammar failed to compile): reported with the
+        # next update_from_output, which follows every schedule().
+        self._outputs_without_step: list[EngineCoreOutput] = []
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_model_len = config.max_model_len
@@ -78,6 +94,11 @@ class Scheduler:
                 f"prompt of {request.num_tokens} tokens needs {need} KV blocks but the cache "
                 f"has only {self.kv_cache_manager.block_pool.num_blocks}"
             )
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs: this engine has no grammar backend")
+            # Starts compiling; the request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR.
+            self.structured_output_manager.add_request(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -169,6 +190,7 @@ class Scheduler:
 
         # Pass 2: admit waiting requests, unless this step had to preempt.
         skipped: list[Request] = []
+        compiling: list[Request] = []
         if not preempted:
             while (
                 self.waiting
@@ -183,7 +205,12 @@ class Scheduler:
                     continue
                 if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
                     if not self._try_promote_blocked(request):
-                        skipped.append(self.waiting.popleft())
+                        self.waiting.popleft()
+                        if request.is_finished():  # the hook gave up on it
+                            self._free_request(request)
+                        else:
+                            skipped.append(request)
+                            compiling.append(request)
                         continue
                 hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
                 n = min(request.num_tokens - num_hit, token_budget)
@@ -206,12 +233,31 @@ class Scheduler:
                 token_budget -= n
         for request in reversed(skipped):
             self.waiting.appendleft(request)
+        if compiling and not num_scheduled and not self.running:
+            # Nothing to run but grammars to wait for: block briefly instead of spinning.
+            assert self.structured_output_manager is not None
+            self.structured_output_manager.wait_for_any(compiling, timeout_s=0.01)
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
 
     def _try_promote_blocked(self, request: Request) -> bool:
-        """Hook for statuses that wait on something (a grammar); base has none."""
-        return True
+        """True once the request's grammar is compiled; it then waits as usual.
+
+        Never blocks while other requests run. A grammar that failed (or timed out)
+        finishes the request with FINISHED_ERROR, reported with the next update.
+        """
+        manager = self.structured_output_manager
+        if manager is None:
+            return True
+        readiness = manager.try_promote(request)
+        if readiness == Readiness.READY:
+            request.status = RequestStatus.WAITING
+            return True
+        if readiness == Readiness.FAILED:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._outputs_without_step.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason="error"))
+        return False
 
     def _deferred_blocks_would_fit(self, request: Request, n: int) -> bool:
         if not self.deferred_frees:
@@ -324,7 +370,7 @@ class Scheduler:
             self._drain_deferred_frees()
         index = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._outputs_without_step = self._outputs_without_step, []
         stopped_running: set[str] = set()
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -373,9 +419,20 @@ class Scheduler:
     ) -> tuple[list[int], bool]:
         """Append ids one by one with the stop checks; trims ids after a stop."""
         params = request.sampling_params
+        grammar = self.structured_output_manager if request.use_structured_output else None
         for i, token_id in enumerate(new_token_ids):
+            if grammar is not None:
+                event = grammar.accept_token(request, token_id)
+                if event == GrammarEvent.REJECTED:
+                    # Ends this request only; the token is not delivered.
+                    request.status = RequestStatus.FINISHED_ERROR
+                    return new_token_ids[:i], True
             request.append_output_token_ids([token_id])
             if self._check_stop(request, token_id, params.min_tokens):
+                return new_token_ids[: i + 1], True
+            if grammar is not None and event == GrammarEvent.TERMINATED:
+                # The grammar accepted its stop token (possible with ignore_eos).
+                request.status = RequestStatus.FINISHED_STOPPED
                 return new_token_ids[: i + 1], True
         return new_token_ids, False
 
@@ -395,9 +452,15 @@ class Scheduler:
             return True
         return False
 
-    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> object | None:
-        """Token masks for grammar requests of this step; none without structured output."""
-        return None
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """Token masks for this step's sampling grammar requests; None if there are none.
+
+        Call only after every earlier step's output was applied (the engine defers
+        sampling when ``pending_structured_output_tokens`` says that has not happened).
+        """
+        if self.structured_output_manager is None:
+            return None
+        return self.structured_output_manager.grammar_bitmask(scheduler_output, self.requests)
 
     # ----- introspection ----------------------------------------------------------------
     def get_request_counts(self) -> tuple[int, int]:

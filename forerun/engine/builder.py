@@ -18,6 +18,8 @@ from forerun.engine.core import EngineCore
 from forerun.model.config import ModelConfig
 from forerun.model.loader import load_model, load_model_config, load_tokenizer
 from forerun.model.source import ModelSource, resolve_model
+from forerun.structured.backend import XgrammarBackend
+from forerun.structured.manager import StructuredOutputManager
 from forerun.trace import Tracer
 from forerun.worker.executor import Executor
 from forerun.worker.model_runner import ModelRunner
@@ -116,7 +118,12 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
         max_model_len=info.max_model_len,
         defer_block_free=defer,
     )
-    scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv)
+    # Tokenizer info for the grammars is built on the first grammar request, not here.
+    grammar_backend = XgrammarBackend(lambda: shared_tokenizer(info), info.vocab_size,
+                                      info.eos_token_ids)
+    structured = StructuredOutputManager(
+        grammar_backend, compile_timeout_s=config.structured_outputs_compile_timeout_s)
+    scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv, structured)
 
     def make_runner() -> ModelRunner:
         model = shared_model(info, dtype, device)

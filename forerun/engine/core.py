@@ -51,6 +51,8 @@ class EngineCore:
             max_concurrent_batches > 1 if async_scheduling is None else async_scheduling)
         self._window_start = time.perf_counter()
         self._window_end: float | None = None
+        # Steps whose sampling waited for the previous step's output (grammar requests).
+        self.num_deferred_samplings = 0
 
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -103,22 +105,34 @@ class EngineCore:
             so = self._schedule()
             self.executor.execute_model(so)
             executed = so.total_num_scheduled_tokens > 0
-            if not so.pending_structured_output_tokens:
+            if not so.pending_structured_output_tokens or not executed:
                 self.batch_queue.append((self._sample(so), so))
                 if len(self.batch_queue) < self.max_concurrent_batches and executed:
                     return []
             else:
                 deferred = so
+        if deferred is not None:
+            return self._sample_deferred(deferred)
         if not self.batch_queue:
-            if deferred is not None:
-                # Nothing older to wait for: sample now.
-                self.batch_queue.append((self._sample(deferred), deferred))
             return []
         future, oldest = self.batch_queue.popleft()
         result = future.result()
-        outputs = self._update(oldest, result)
-        if deferred is not None:
-            self.batch_queue.append((self._sample(deferred), deferred))
+        return self._update(oldest, result)
+
+    def _sample_deferred(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Apply every step in flight, then sample ``so`` (whose forward already runs).
+
+        A grammar's mask for ``so`` needs the tokens of all earlier steps; with a queue of
+        depth 2 that is the one step still in flight. Its forward was launched before this
+        wait, so only the sampling of ``so`` is late: the span shows that wait.
+        """
+        self.num_deferred_samplings += 1
+        outputs: list[EngineCoreOutput] = []
+        with self.tracer.span("deferred_sample_wait", ENGINE_LANE, so.step_id):
+            while self.batch_queue:
+                future, oldest = self.batch_queue.popleft()
+                outputs.extend(self._update(oldest, future.result()))
+            self.batch_queue.append((self._sample(so), so))
         return outputs
 
     # ----- stats ------------------------------------------------------------------------
@@ -153,12 +167,27 @@ class EngineCore:
             "device_busy_fraction": self.tracer.device_busy_s / wall if wall > 0 else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_deferred_samplings": self.num_deferred_samplings,
+            **self._structured_stats(),
+        }
+
+    def _structured_stats(self) -> dict[str, Any]:
+        manager = self.scheduler.structured_output_manager
+        if manager is None:
+            return {}
+        st = manager.stats
+        return {
+            "num_grammars_compiled": st.num_compiled,
+            "num_grammar_compile_errors": st.num_compile_errors,
+            "num_grammar_rejected_tokens": st.num_rejected_tokens,
         }
 
     def shutdown(self) -> None:
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()
 
     def drain(self) -> list[EngineCoreOutput]:
         """Process every step still in flight (used at shutdown and in tests)."""

@@ -69,4 +69,10 @@ class Processor:
         for t in params.stop_token_ids or []:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: token id {t} is out of vocabulary")
+        if params.structured_outputs is not None:
+            # A parse of the spec (milliseconds): a bad schema/regex/grammar fails here, alone;
+            # the tokenizer-dependent compilation runs later, off the scheduler's thread.
+            from forerun.structured.backend import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         return params

@@ -1,0 +1,82 @@
+"""What a structured-output request constrains its output to, with vLLM's field names."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Exactly one constraint: a JSON schema, a regex, a list of choices, an EBNF grammar,
+    or ``json_object=True`` (any JSON object).
+
+    ``json`` may be a schema as a dict or as a JSON string. Only the shape is checked here;
+    whether the schema, regex or grammar itself is valid is checked by
+    :func:`forerun.structured.backend.validate_structured_outputs` in the frontend.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in _KINDS if self._is_set(k)]
+        if len(chosen) != 1:
+            got = ", ".join(chosen) if chosen else "none"
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                f"must be set, got {got}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(
+                f"structured_outputs.json: must be a dict or a JSON string, got "
+                f"{type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex: must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar: must be a string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice: must be a list of strings")
+            if not self.choice or any(c == "" for c in self.choice):
+                raise ValueError("structured_outputs.choice: must be non-empty strings, "
+                                 "at least one")
+            self.choice = list(self.choice)
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        # json_object=False means "not this kind", like vLLM.
+        return bool(value) if name == "json_object" else value is not None
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(k for k in _KINDS if self._is_set(k))
+
+    def json_schema_str(self) -> str:
+        """The schema as a JSON string (``json`` kind only)."""
+        assert self.json is not None
+        return self.json if isinstance(self.json, str) else json.dumps(self.json)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the field that is set; a dict of plain values, to cross process boundaries."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if self._is_set(f.name)}
+
+    @classmethod
+    def from_any(cls, value: Any) -> StructuredOutputsParams:
+        """Accept an instance or a dict with the same keys (what arrives over HTTP)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(_KINDS))
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}")
+            return cls(**value)
+        raise ValueError(
+            "structured_outputs: must be a StructuredOutputsParams or a dict, got "
+            f"{type(value).__name__}")
