@@ -82,7 +82,11 @@ def run_serve(args: argparse.Namespace) -> int:
                                         access_log=args.log_level == "debug"))
         server.engine = engine
         logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
-        asyncio.run(server.serve())
+        try:
+            asyncio.run(server.serve())
+        except KeyboardInterrupt:
+            # uvicorn re-raises SIGINT after its graceful shutdown; that is a normal exit.
+            pass
     finally:
         engine.shutdown()  # no-op when the lifespan already stopped it
     return 0
