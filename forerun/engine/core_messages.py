@@ -30,15 +30,17 @@ class WireSamplingParams(msgspec.Struct, array_like=True, frozen=True):
     spaces_between_special_tokens: bool
     include_stop_str_in_output: bool
     all_stop_token_ids: list[int]
+    # StructuredOutputsParams.to_dict(): plain values, rebuilt (and compiled) in the core.
+    structured_outputs: dict[str, Any] | None = None
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
-        if p.structured_outputs is not None:
-            raise ValueError("structured_outputs: not supported with a separate engine process")
+        so = p.structured_outputs
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop or []),
                    list(p.stop_token_ids or []), p.ignore_eos, p.min_tokens,
                    p.skip_special_tokens, p.spaces_between_special_tokens,
-                   p.include_stop_str_in_output, sorted(p.all_stop_token_ids))
+                   p.include_stop_str_in_output, sorted(p.all_stop_token_ids),
+                   so.to_dict() if so is not None else None)
 
     def to_params(self) -> SamplingParams:
         p = SamplingParams(
@@ -48,6 +50,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, frozen=True):
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs,
         )
         p._all_stop_token_ids = set(self.all_stop_token_ids)
         return p

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from forerun.sampling_params import SamplingParams
+from forerun.server.structured import structured_outputs_of
 
 logger = logging.getLogger(__name__)
 
@@ -22,17 +23,11 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
 
 
@@ -63,6 +58,13 @@ class _BaseRequest(BaseModel):
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output (forerun/server/structured.py): at most one of these.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _BaseRequest:
@@ -94,6 +96,12 @@ class _BaseRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             n=self.n,
+            structured_outputs=structured_outputs_of({
+                "response_format": self.response_format,
+                "structured_outputs": self.structured_outputs,
+                "guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
+            }),
         )
 
 
