@@ -15,9 +15,11 @@ import statistics
 import time
 from typing import Any
 
+import torch
 from common import markdown_table, mean_tpot_ms, random_prompts, write_json
 
 from forerun import LLM, SamplingParams
+from forerun.trace import WORKER_LANE, Span
 
 
 def decode_heavy(rng: random.Random, n: int, inp: int, out: int):
@@ -35,8 +37,23 @@ def mixed(rng: random.Random, n: int, inp: int, out: int):
     return prompts, params
 
 
+def worker_idle_ms(spans: list[Span]) -> float:
+    """Median time the worker sat idle between the end of one step and the next start."""
+    steps: dict[int, list[Span]] = {}
+    for s in spans:
+        if s.lane == WORKER_LANE:
+            steps.setdefault(s.step, []).append(s)
+    ids = sorted(steps)
+    gaps = [1e3 * (min(s.start for s in steps[b]) - max(s.end for s in steps[a]))
+            for a, b in zip(ids, ids[1:], strict=False)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
 def run_once(llm: LLM, prompts, params) -> dict[str, Any]:
     before = llm.stats()["wasted_tokens"]
+    tracer = llm.llm_engine.tracer
+    tracer.enabled = True
+    tracer.spans.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -45,6 +62,7 @@ def run_once(llm: LLM, prompts, params) -> dict[str, Any]:
     return {"output_tok_s": n_out / wall, "wall_s": wall, "output_tokens": n_out,
             "mean_tpot_ms": mean_tpot_ms(outs),
             "device_busy_fraction": stats["device_busy_fraction"],
+            "worker_idle_ms_per_step": worker_idle_ms(tracer.spans),
             "wasted_tokens": stats["wasted_tokens"] - before}
 
 
@@ -56,8 +74,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (on a shared box, 1 avoids straggler stalls)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engines = {mode: LLM(model=args.model, dtype=args.dtype, async_scheduling=mode,
                          kv_cache_memory_bytes=1 << 30, max_model_len=1024)
@@ -82,7 +104,7 @@ def main() -> None:
                          "async/sync": med["on"]["output_tok_s"] / med["off"]["output_tok_s"]
                          if mode == "on" else 1.0})
     cols = ["workload", "async", "output_tok_s", "async/sync", "mean_tpot_ms",
-            "device_busy_fraction", "wasted_tokens", "output_tokens"]
+            "device_busy_fraction", "worker_idle_ms_per_step", "wasted_tokens", "output_tokens"]
     print(markdown_table(rows, cols))
     path = write_json("async_vs_sync.json", {"args": vars(args), "rows": rows}, args.json)
     print(f"\nwrote {path}")
