@@ -66,18 +66,21 @@ def _stream(engine: LLMEngine, request_id: str, prompt: Any, params: SamplingPar
     return text
 
 
-def _engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(config_from_args(args))
+def _start(args: argparse.Namespace) -> tuple[SamplingParams, LLMEngine] | None:
+    """Validate the flags and load the engine; None (after saying why) if that fails."""
+    try:
+        return _params(args), LLMEngine(config_from_args(args))
+    except ValueError as e:  # ModelLoadError is a ValueError too
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def run_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    try:
-        params = _params(args)
-        engine = _engine(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    started = _start(args)
+    if started is None:
         return 2
+    params, engine = started
     try:
         _stream(engine, "generate-0", prompt, params)
     except ValueError as e:
@@ -89,12 +92,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    try:
-        params = _params(args)
-        engine = _engine(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    started = _start(args)
+    if started is None:
         return 2
+    params, engine = started
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
