@@ -11,6 +11,7 @@ import argparse
 import random
 from pathlib import Path
 
+import torch
 from common import RESULTS, random_prompts
 
 from forerun import LLM, SamplingParams
@@ -83,7 +84,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--out", default=str(Path(__file__).parent.parent / "docs" /
                                          "trace_sync_vs_async.svg"))
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     panels = []
     for mode, title in (("off", "sync (--no-async-scheduling)"), ("on", "async (default)")):
         panels.append((title, window(capture(mode, args.dtype, args.num_prompts), 8, 5)))
