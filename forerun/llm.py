@@ -59,7 +59,7 @@ class LLM:
         engine = self.llm_engine
         # Check all first: a bad prompt must not leave half the batch queued.
         for p, sp in zip(prompts, params_list, strict=True):
-            engine.processor.process_prompt(p)
+            engine.processor.process_prompt(p, sp.truncate_prompt_tokens)
             engine.processor.process_params(sp)
         ids = [f"gen-{next(self._counter)}" for _ in prompts]
         for rid, p, sp in zip(ids, prompts, params_list, strict=True):

@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log-probability at one position, as in vLLM."""
+
+    logprob: float
+    rank: int | None = None  # 1-based, by probability
+    decoded_token: str | None = None
+
+
+# One position: token id -> its Logprob (the chosen token and the top-N alternatives).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request."""
 
@@ -13,7 +26,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token id, when asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -44,3 +57,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     new_token_ids: list[int] = field(default_factory=list)
+    # One per prompt token when asked; the first is None (nothing predicts it).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

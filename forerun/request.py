@@ -89,6 +89,12 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission
         self.first_scheduled_time: float | None = None
+        # Prompt logprobs gathered chunk by chunk (index = prompt position), handed out with
+        # the first output; after that a resumed request does not compute them again.
+        self.prompt_logprobs: list[Any] | None = (
+            [None] * self.num_prompt_tokens
+            if sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
         # The grammar's compile future and matcher (forerun.structured.manager), if any.
         self.structured_output_request: Any = None
 
@@ -118,6 +124,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self._output_token_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not delivered yet (they need the whole prefill)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def use_structured_output(self) -> bool:

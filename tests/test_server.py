@@ -160,8 +160,12 @@ def test_stop_strings(env: dict[str, Any], client: openai.OpenAI) -> None:
     ({"top_p": 2}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"n": 2}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_p": 2}}, "min_p"),
 ])
 def test_bad_completion_params(client: openai.OpenAI, kwargs: dict[str, Any],
                                param: str) -> None:
@@ -182,6 +186,46 @@ def test_bad_chat_messages(client: openai.OpenAI, messages: Any, param: str) -> 
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=messages)
     assert e.value.body["param"] == param and param in e.value.body["message"]
+
+
+def test_completion_logprobs_and_penalties(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"42": -100}, seed=1,
+        extra_body={"repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2,
+                    "bad_words": ["Paris"], "allowed_token_ids": None})
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == 5
+    assert len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(t) == 3 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(x <= 0 for x in lp.token_logprobs)
+    # Streamed: the same logprobs, chunk by chunk.
+    toks: list[str] = []
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs:
+            toks += chunk.choices[0].logprobs.tokens
+    assert toks == lp.tokens
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+    assert content[0].top_logprobs[0].logprob >= content[0].logprob - 1e-6
+    n = 0
+    for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                                temperature=0, logprobs=True, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            n += len(chunk.choices[0].logprobs.content)
+    assert n == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True,
+                                       top_logprobs=30)
+    assert e.value.body["param"] == "top_logprobs"
 
 
 def test_harmless_defaults_accepted(client: openai.OpenAI) -> None:

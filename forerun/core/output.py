@@ -17,6 +17,11 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     resumed: bool = False
+    # How many of prompt_token_ids are the prompt (the rest are outputs of a resumed
+    # request): the worker rebuilds its penalty counts from the outputs.
+    num_prompt_tokens: int = -1
+    # Prompt logprobs still to compute (asked for, and not delivered before a preemption).
+    want_prompt_logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -54,12 +59,38 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs at one position: the chosen token first, then the top-N alternatives.
+
+    ``token_ids[0]`` is the token actually sampled (or, for a prompt position, the prompt
+    token); ``rank`` is its 1-based rank by probability. The top-N follow in order, so the
+    chosen token may appear twice.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``start .. start + len(entries) - 1`` (one prefill chunk)."""
+
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """Sampled ids of one step, one list per scheduled request (empty for prefill chunks)."""
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
+    # Requests that asked for logprobs: one entry per sampled id.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs and computed prompt positions this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -71,6 +102,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids entry
+    # Every prompt position, delivered once with the first output (entry 0 is None).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -212,7 +212,11 @@ class Scheduler:
                             skipped.append(request)
                             compiling.append(request)
                         continue
-                hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                if request.wants_prompt_logprobs:
+                    # Cached positions would not be computed, and their logprobs are needed.
+                    hits, num_hit = [], 0
+                else:
+                    hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
                 n = min(request.num_tokens - num_hit, token_budget)
                 remaining = request.num_tokens - num_hit - n
                 new_blocks = self.kv_cache_manager.allocate_slots(
@@ -285,6 +289,8 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     resumed=request.num_preemptions > 0,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    want_prompt_logprobs=request.wants_prompt_logprobs,
                 )
             )
         for request in scheduled_running:
@@ -390,6 +396,16 @@ class Scheduler:
             new_ids, stopped = self._update_request_with_output(
                 request, new_ids, is_stale, status_before
             )
+            chunk = model_runner_output.prompt_logprobs.get(req_id)
+            if chunk is not None and request.wants_prompt_logprobs:
+                assert request.prompt_logprobs is not None
+                request.prompt_logprobs[chunk.start: chunk.start + len(chunk.entries)] = \
+                    chunk.entries
+            logprobs = model_runner_output.logprobs.get(req_id)
+            prompt_logprobs = None
+            if new_ids and request.wants_prompt_logprobs:
+                prompt_logprobs = request.prompt_logprobs
+                request.prompt_logprobs_sent = True
             if stopped:
                 if status_before == RequestStatus.RUNNING:
                     stopped_running.add(req_id)
@@ -404,6 +420,9 @@ class Scheduler:
                         finish_reason=request.get_finished_reason() if stopped else None,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        # Trimmed like the ids when a stop cut them short.
+                        logprobs=logprobs[: len(new_ids)] if logprobs is not None else None,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         if stopped_running:

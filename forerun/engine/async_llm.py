@@ -109,7 +109,7 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_error or self.client.death_message())
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        processed = self.processor.process_prompt(prompt)
+        processed = self.processor.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.processor.process_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         stream = RequestStream(self, request_id)

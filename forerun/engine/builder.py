@@ -128,7 +128,8 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
     def make_runner() -> ModelRunner:
         model = shared_model(info, dtype, device)
         return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
-                           mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer)
+                           mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
+                           vocab_size=mc.vocab_size)
 
     executor = Executor(make_runner)
     logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, bs, dtype)

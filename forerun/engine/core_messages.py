@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from forerun.core.output import EngineCoreOutput
+from forerun.core.output import EngineCoreOutput, TokenLogprobs
 from forerun.sampling_params import SamplingParams
 
 
@@ -32,6 +32,16 @@ class WireSamplingParams(msgspec.Struct, array_like=True, frozen=True):
     all_stop_token_ids: list[int]
     # StructuredOutputsParams.to_dict(): plain values, rebuilt (and compiled) in the core.
     structured_outputs: dict[str, Any] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] = []
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -40,7 +50,10 @@ class WireSamplingParams(msgspec.Struct, array_like=True, frozen=True):
                    list(p.stop_token_ids or []), p.ignore_eos, p.min_tokens,
                    p.skip_special_tokens, p.spaces_between_special_tokens,
                    p.include_stop_str_in_output, sorted(p.all_stop_token_ids),
-                   so.to_dict() if so is not None else None)
+                   so.to_dict() if so is not None else None,
+                   p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+                   p.logit_bias, p.allowed_token_ids, p.bad_words, p.bad_words_token_ids,
+                   p.logprobs, p.prompt_logprobs)
 
     def to_params(self) -> SamplingParams:
         p = SamplingParams(
@@ -51,8 +64,14 @@ class WireSamplingParams(msgspec.Struct, array_like=True, frozen=True):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
         p._all_stop_token_ids = set(self.all_stop_token_ids)
+        p._bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
         return p
 
 
@@ -91,10 +110,13 @@ class WireOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None
     num_cached_tokens: int
     first_scheduled_time: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def to_core_output(self) -> EngineCoreOutput:
         return EngineCoreOutput(self.request_id, self.new_token_ids, self.finish_reason,
-                                self.stop_reason, self.num_cached_tokens)
+                                self.stop_reason, self.num_cached_tokens, self.logprobs,
+                                self.prompt_logprobs)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

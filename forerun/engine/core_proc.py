@@ -111,7 +111,8 @@ class EngineCoreProc:
             if o.finish_reason is not None:
                 self.unreported.pop(o.request_id, None)
             wire.append(WireOutput(o.request_id, o.new_token_ids, o.finish_reason,
-                                   o.stop_reason, o.num_cached_tokens, sched_time))
+                                   o.stop_reason, o.num_cached_tokens, sched_time,
+                                   o.logprobs, o.prompt_logprobs))
         self.out_sock.send(output_encoder.encode(CoreOutputs(wire)))
 
 

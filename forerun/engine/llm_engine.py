@@ -41,7 +41,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Validate and queue one request; raises ValueError before any work starts."""
-        processed = self.processor.process_prompt(prompt)
+        processed = self.processor.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.processor.process_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         request = Request(request_id, processed.prompt_token_ids, params,

@@ -5,10 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from forerun.core.output import EngineCoreOutput
+from forerun.core.output import EngineCoreOutput, TokenLogprobs
 from forerun.engine.detokenizer import IncrementalDetokenizer
 from forerun.engine.stop_checker import StopStringChecker
-from forerun.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from forerun.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from forerun.sampling_params import SamplingParams
 
 
@@ -28,6 +34,9 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     def visible_text(self) -> str:
         """Text safe to show now: never a prefix of a stop string that may still match."""
@@ -39,12 +48,15 @@ class RequestState:
         completion = CompletionOutput(
             index=0, text=self.visible_text(), token_ids=list(self.token_ids),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
         )
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids, outputs=[completion],
             finished=self.finish_reason is not None, num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics, new_token_ids=new_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -71,10 +83,13 @@ class OutputProcessor:
         checker = None
         if params.stop and detok is not None:
             checker = StopStringChecker(list(params.stop), params.include_stop_str_in_output)
-        self.request_states[request_id] = RequestState(
+        state = RequestState(
             request_id, prompt, prompt_token_ids, params, detok, checker,
             RequestMetrics(arrival_time), [],
         )
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.request_states[request_id] = state
 
     def abort_request(self, request_id: str) -> RequestState | None:
         return self.request_states.pop(request_id, None)
@@ -99,6 +114,14 @@ class OutputProcessor:
                 state.metrics.last_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
             state.token_ids.extend(out.new_token_ids)
+            if out.logprobs is not None and state.logprobs is not None:
+                for entry in out.logprobs:
+                    state.logprobs.append(self._position(entry))
+                    state.cumulative_logprob = (state.cumulative_logprob or 0.0) \
+                        + entry.logprobs[0]
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = [
+                    None if e is None else self._position(e) for e in out.prompt_logprobs]
             new_chars = 0
             if state.detokenizer is not None:
                 new_chars = len(state.detokenizer.update(out.new_token_ids))
@@ -114,6 +137,20 @@ class OutputProcessor:
                 del self.request_states[out.request_id]
             outputs.append(state.to_output(out.new_token_ids))
         return outputs, to_abort
+
+    def _decode(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])  # type: ignore[attr-defined]
+
+    def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
+        """The chosen token (with its own rank) first, then the top-N ranked 1..N."""
+        ids, lps = entry.token_ids, entry.logprobs
+        pos: PositionLogprobs = {ids[0]: Logprob(lps[0], entry.rank, self._decode(ids[0]))}
+        for r, (t, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+            if t not in pos:
+                pos[t] = Logprob(lp, r, self._decode(t))
+        return pos
 
     def _check_stop_strings(self, state: RequestState, new_chars: int) -> bool:
         checker = state.stop_checker

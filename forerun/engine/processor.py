@@ -28,20 +28,23 @@ class Processor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType,
+                       truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        """Tokenise and check; ``truncate_prompt_tokens`` keeps only the last k ids."""
+        k = truncate_prompt_tokens
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            return self._check(ProcessedPrompt(prompt, list(ids)))
+            return self._check(ProcessedPrompt(prompt, _keep_last(list(ids), k)))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                     raise ValueError("prompt_token_ids must be a list of integers")
-                return self._check(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+                return self._check(ProcessedPrompt(prompt.get("prompt"), _keep_last(ids, k)))
             if "prompt" in prompt:
-                return self.process_prompt(prompt["prompt"])
+                return self.process_prompt(prompt["prompt"], k)
         raise ValueError(
             "prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
             f"got {type(prompt).__name__}"
@@ -75,4 +78,30 @@ class Processor:
             from forerun.structured.backend import validate_structured_outputs
 
             validate_structured_outputs(params.structured_outputs)
+        for name, ids in (("logit_bias", list(params.logit_bias or {})),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is out of vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
+        if params.bad_words:
+            params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         return params
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word as it tokenises alone and after a space (a word start), deduplicated."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words: needs a tokenizer")
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    if any(t >= self.vocab_size for t in ids):
+                        raise ValueError(f"bad_words: {word!r} tokenises out of vocabulary")
+                    seqs.append(ids)
+        return seqs
+
+
+def _keep_last(ids: list[int], k: int | None) -> list[int]:
+    return list(ids[-k:]) if k is not None else list(ids)

@@ -12,6 +12,7 @@ from forerun.engine.async_llm import RequestStream
 from forerun.engine.chat import apply_chat_template
 from forerun.engine.core_client import EngineDeadError
 from forerun.server.errors import APIError, engine_dead_error
+from forerun.server.logprobs import chat_logprobs
 from forerun.server.protocol import ChatCompletionRequest
 from forerun.server.responses import (
     SSE_DONE,
@@ -21,6 +22,7 @@ from forerun.server.responses import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     ChatMessage,
     ErrorBody,
     ErrorInfo,
@@ -66,9 +68,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
     c = out.outputs[0]
+    lps = None
+    if body.logprobs and c.logprobs is not None:
+        lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
     resp = ChatCompletion(
         rid, now_s(), ctx.model_name,
-        [ChatChoice(0, ChatMessage("assistant", c.text), finish_reason=c.finish_reason)],
+        [ChatChoice(0, ChatMessage("assistant", c.text), lps, finish_reason=c.finish_reason)],
         Usage.of(len(out.prompt_token_ids), len(c.token_ids)))
     return Response(encode(resp), media_type="application/json")
 
@@ -78,9 +83,9 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
     created, usage_on = now_s(), body.include_usage
     usage = None if usage_on else UNSET
 
-    def chunk(delta: ChatDelta, finish: str | None) -> bytes:
+    def chunk(delta: ChatDelta, finish: str | None, lps: ChatLogprobs | None = None) -> bytes:
         return sse(ChatCompletionChunk(rid, created, ctx.model_name,
-                                       [ChatChunkChoice(0, delta, finish_reason=finish)],
+                                       [ChatChunkChoice(0, delta, lps, finish_reason=finish)],
                                        usage=usage))
 
     sent, n_prompt, n_gen = 0, 0, 0
@@ -89,8 +94,12 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
         async for out in stream:
             c = out.outputs[0]
             text, sent = c.text[sent:], len(c.text)
+            lps = None
+            if body.logprobs and c.logprobs is not None:
+                lps = chat_logprobs(c.token_ids[n_gen:], c.logprobs[n_gen:],
+                                    body.top_logprobs or 0)
             n_prompt, n_gen = len(out.prompt_token_ids), len(c.token_ids)
-            yield chunk(ChatDelta(content=text), c.finish_reason)
+            yield chunk(ChatDelta(content=text), c.finish_reason, lps)
         if usage_on:
             yield sse(ChatCompletionChunk(rid, created, ctx.model_name, [],
                                           usage=Usage.of(n_prompt, n_gen)))

@@ -10,6 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 from forerun.engine.async_llm import RequestStream
 from forerun.engine.core_client import EngineDeadError
 from forerun.server.errors import APIError, engine_dead_error
+from forerun.server.logprobs import completion_logprobs
 from forerun.server.protocol import CompletionRequest, completion_prompts
 from forerun.server.responses import (
     SSE_DONE,
@@ -62,9 +63,14 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest) -> Res
     for i, out in enumerate(outs):
         c = out.outputs[0]
         text = c.text
+        prefix = len(text)
         if body.echo:
             text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
-        choices.append(CompletionChoice(i, text, finish_reason=c.finish_reason))
+        lps = None
+        if body.logprobs is not None and c.logprobs is not None:
+            lps = completion_logprobs(c.token_ids, c.logprobs, body.logprobs,
+                                      len(text) - prefix)
+        choices.append(CompletionChoice(i, text, lps, finish_reason=c.finish_reason))
         n_prompt += len(out.prompt_token_ids)
         n_gen += len(c.token_ids)
     resp = Completion(rid, now_s(), ctx.model_name, choices, usage=Usage.of(n_prompt, n_gen))
@@ -76,16 +82,24 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, rid: str,
     created, usage_on = now_s(), body.include_usage
     sent = [0] * len(streams)
     n_prompt, n_gen = [0] * len(streams), [0] * len(streams)
+    offset = [0] * len(streams)  # text offset of the next token, for logprobs
     try:
         async for i, out in merge_streams(streams):
             c = out.outputs[0]
             text = c.text[sent[i]:]
             if body.echo and sent[i] == 0 and n_gen[i] == 0:
                 text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
+                offset[i] = len(text) - len(c.text)
+            lps = None
+            if body.logprobs is not None and c.logprobs is not None:
+                k = n_gen[i]
+                lps = completion_logprobs(c.token_ids[k:], c.logprobs[k:], body.logprobs,
+                                          offset[i])
+                offset[i] += sum(len(t) for t in lps.tokens)
             sent[i] = len(c.text)
             n_prompt[i], n_gen[i] = len(out.prompt_token_ids), len(c.token_ids)
             chunk = Completion(rid, created, ctx.model_name,
-                               [CompletionChoice(i, text, finish_reason=c.finish_reason)],
+                               [CompletionChoice(i, text, lps, finish_reason=c.finish_reason)],
                                usage=None if usage_on else UNSET)
             yield sse(chunk)
         if usage_on:

@@ -15,12 +15,6 @@ logger = logging.getLogger(__name__)
 # OpenAI fields we do not implement, with the values that mean "off": those are accepted,
 # anything else is a 400 naming the field rather than a silently different result.
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -65,6 +59,15 @@ class _BaseRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Logit processing: OpenAI's names, then vLLM's extras.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _BaseRequest:
@@ -81,9 +84,31 @@ class _BaseRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_logprobs(self) -> int | None:
+        """Top-N logprobs per output token, None for none (the endpoints differ)."""
+        return None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias: keys must be token ids") from None
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams for this body; ValueErrors start with the offending field."""
         return SamplingParams(
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=self._logit_bias(),
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
+            logprobs=self.num_logprobs(),
+            prompt_logprobs=self.prompt_logprobs,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -111,6 +136,10 @@ class CompletionRequest(_BaseRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionRequest(_BaseRequest):
@@ -119,6 +148,17 @@ class ChatCompletionRequest(_BaseRequest):
     messages: Any
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}.")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs: needs logprobs to be true")
+            return None
+        return self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:

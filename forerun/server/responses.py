@@ -17,10 +17,19 @@ class Usage(msgspec.Struct):
         return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions ``logprobs`` object: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -40,10 +49,27 @@ class ChatMessage(msgspec.Struct):
     content: str
 
 
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -64,7 +90,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

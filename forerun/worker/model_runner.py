@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from forerun.core.output import ModelRunnerOutput, SchedulerOutput
+from forerun.core.output import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from forerun.model.attention import AttentionMetadata
 from forerun.sampling_params import SamplingParams, SamplingType
 from forerun.trace import WORKER_LANE, Tracer
-from forerun.worker.sampler import Sampler, SamplingMetadata
+from forerun.worker.sampler import (
+    PenaltyBatch,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +46,13 @@ class CachedRequestState:
     generator: torch.Generator | None
     slot: int  # stable row of this request in the runner's device tensors
     last_sampled_pos: int = -1  # position of the token held in last_sampled[slot]
+    num_prompt_tokens: int = 0
+    # Outputs that exist, known or not: those sent on resume plus every sample taken here
+    # (a count the worker knows without reading the ids back from the device).
+    num_output_tokens: int = 0
+    want_prompt_logprobs: bool = False
+    # Multi-token bad words; their prefixes are matched against the device history.
+    bad_word_seqs: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -46,23 +65,25 @@ class _StepState:
     logits: torch.Tensor | None
     sampling: SamplingMetadata | None
     step_id: int
+    # (req_id, start, ids [m, 1+n], logprobs [m, 1+n], ranks [m]) per prompt chunk.
+    prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = \
+        field(default_factory=list)
 
 
 class AsyncModelRunnerOutput:
-    """Sampled ids still being copied device -> host; ``get_output`` waits for the copy.
+    """Sampled ids (and logprobs) still being copied device -> host.
 
     The worker returns this at once so that it can start the next step without a
     device-to-host sync; only the engine, when it needs the ids, waits on the event.
     """
 
-    def __init__(self, req_ids: list[str], sample_req_ids: list[str], host: torch.Tensor,
-                 event: torch.cuda.Event) -> None:
-        self._req_ids, self._sample_req_ids = req_ids, sample_req_ids
-        self._host, self._event = host, event
+    def __init__(self, host: list[torch.Tensor], event: torch.cuda.Event,
+                 build: Callable[[list[list]], ModelRunnerOutput]) -> None:
+        self._host, self._event, self._build = host, event, build
 
     def get_output(self) -> ModelRunnerOutput:
         self._event.synchronize()
-        return _make_output(self._req_ids, self._sample_req_ids, self._host.tolist())
+        return self._build([t.tolist() for t in self._host])
 
 
 def _make_output(req_ids: list[str], sample_req_ids: list[str], ids: list[int]) -> ModelRunnerOutput:
@@ -72,6 +93,33 @@ def _make_output(req_ids: list[str], sample_req_ids: list[str], ids: list[int]) 
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[sampled.get(r, []) for r in req_ids],
     )
+
+
+@dataclass(slots=True)
+class _OutputPlan:
+    """Which device tensors one step returns, and how to read them on the host."""
+
+    req_ids: list[str]
+    sample_req_ids: list[str]
+    logprob_rows: list[tuple[str, int, int]]  # (req_id, row, top-N) of rows that asked
+    prompt_reqs: list[tuple[str, int]]  # (req_id, start position) of prompt chunks
+    tensors: list[torch.Tensor]
+
+    def build(self, host: list[list]) -> ModelRunnerOutput:
+        out = _make_output(self.req_ids, self.sample_req_ids, host[0])
+        i = 1
+        if self.logprob_rows:
+            ids, vals, ranks = host[1], host[2], host[3]
+            i = 4
+            for req_id, row, n in self.logprob_rows:
+                out.logprobs[req_id] = [
+                    TokenLogprobs(ids[row][: n + 1], vals[row][: n + 1], ranks[row])]
+        for req_id, start in self.prompt_reqs:
+            ids, vals, ranks = host[i], host[i + 1], host[i + 2]
+            i += 3
+            out.prompt_logprobs[req_id] = PromptLogprobs(
+                start, [TokenLogprobs(a, b, r) for a, b, r in zip(ids, vals, ranks, strict=True)])
+        return out
 
 
 class ModelRunner:
@@ -94,6 +142,7 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int,
         tracer: Tracer | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -112,6 +161,17 @@ class ModelRunner:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.sampler = Sampler()
+        self.vocab_size = vocab_size if vocab_size is not None else _vocab_of(model)
+        # Per-slot sampling state, allocated the first time a request needs it, so plain
+        # sampling pays nothing: output token counts and prompt presence (penalties),
+        # a static additive bias row (allowed ids, logit_bias, one-token bad words), and
+        # the output history (multi-token bad words). All stay on the device and are
+        # updated right after each sample, so no step reads an id back to the host.
+        self._counts: torch.Tensor | None = None
+        self._prompt_mask: torch.Tensor | None = None
+        self._static_bias: torch.Tensor | None = None
+        self._history: torch.Tensor | None = None
+        self._paused_generators: dict[str, torch.Generator] = {}
         self._step: _StepState | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -121,24 +181,37 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self._free_slots.append(state.slot)
+                if req_id in so.preempted_req_ids and state.generator is not None:
+                    # A resumed request continues its random stream where it stopped, so
+                    # its tokens do not depend on whether it was preempted.
+                    self._paused_generators[req_id] = state.generator
+        for req_id in so.finished_req_ids:
+            self._paused_generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self._free_slots.append(old.slot)
             params = new.sampling_params
-            gen = None
-            if params.sampling_type == SamplingType.RANDOM_SEED:
+            gen = self._paused_generators.pop(new.req_id, None)
+            if gen is None and params.sampling_type == SamplingType.RANDOM_SEED:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed)
-            self.requests[new.req_id] = CachedRequestState(
+            ids = new.prompt_token_ids
+            num_prompt = new.num_prompt_tokens if new.num_prompt_tokens >= 0 else len(ids)
+            state = CachedRequestState(
                 req_id=new.req_id,
-                token_ids=new.prompt_token_ids,
+                token_ids=ids,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling_params=params,
                 generator=gen,
                 slot=self._free_slots.pop(),
+                num_prompt_tokens=num_prompt,
+                num_output_tokens=len(ids) - num_prompt,
+                want_prompt_logprobs=new.want_prompt_logprobs,
             )
+            self.requests[new.req_id] = state
+            self._init_slot_state(state)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -146,6 +219,62 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = computed
+
+    def _init_slot_state(self, state: CachedRequestState) -> None:
+        """Fill the request's rows of the sampling state from its known ids.
+
+        For a resumed request these ids include every output so far, so the counts and
+        the history are rebuilt exactly as they were before the preemption.
+        """
+        p, slot, dev = state.sampling_params, state.slot, self.device
+        prompt = state.token_ids[: state.num_prompt_tokens]
+        outputs = state.token_ids[state.num_prompt_tokens:]
+        V = self.vocab_size
+        if p.uses_penalties:
+            if self._counts is None:
+                self._counts = torch.zeros((self.max_num_reqs, V), dtype=torch.int32, device=dev)
+                self._prompt_mask = torch.zeros((self.max_num_reqs, V), dtype=torch.bool,
+                                                device=dev)
+            assert self._prompt_mask is not None
+            self._counts[slot].zero_()
+            if outputs:
+                out_t = torch.tensor(outputs, dtype=torch.long, device=dev)
+                self._counts[slot].index_add_(
+                    0, out_t, torch.ones(len(outputs), dtype=torch.int32, device=dev))
+            self._prompt_mask[slot].zero_()
+            self._prompt_mask[slot, torch.tensor(prompt, dtype=torch.long, device=dev)] = True
+        single = [w[0] for w in p.bad_words_token_ids if len(w) == 1]
+        if p.allowed_token_ids is not None or p.logit_bias or single:
+            if self._static_bias is None:
+                self._static_bias = torch.zeros((self.max_num_reqs, V), dtype=torch.float32,
+                                                device=dev)
+            row = torch.zeros(V, dtype=torch.float32)
+            if p.allowed_token_ids is not None:
+                row.fill_(float("-inf"))
+                row[torch.tensor(p.allowed_token_ids, dtype=torch.long)] = 0.0
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+            if single:
+                row[torch.tensor(single, dtype=torch.long)] = float("-inf")
+            self._static_bias[slot].copy_(row)
+        state.bad_word_seqs = [w for w in p.bad_words_token_ids if len(w) > 1]
+        if state.bad_word_seqs:
+            self._ensure_history(len(outputs) + 1)
+            assert self._history is not None
+            if outputs:
+                self._history[slot, : len(outputs)] = torch.tensor(outputs, dtype=torch.long,
+                                                                    device=dev)
+
+    def _ensure_history(self, width: int) -> None:
+        h = self._history
+        if h is not None and h.shape[1] >= width:
+            return
+        new_w = max(256, width, 2 * (h.shape[1] if h is not None else 0))
+        grown = torch.zeros((self.max_num_reqs, new_w), dtype=torch.long, device=self.device)
+        if h is not None:
+            grown[:, : h.shape[1]] = h
+        self._history = grown
 
     # ----- the two calls ----------------------------------------------------------------
     @torch.inference_mode()
@@ -161,9 +290,10 @@ class ModelRunner:
             input_ids, positions, meta, logits_rows, sample_req_ids, sample_slots = inputs
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[logits_rows]) if sample_req_ids else None
+            prompt_lps = self._prompt_logprobs(so, req_ids, hidden)
         sampling = self._sampling_metadata(sample_req_ids) if sample_req_ids else None
         self._step = _StepState(req_ids, sample_req_ids, sample_slots, logits, sampling,
-                                so.step_id)
+                                so.step_id, prompt_lps)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: object | None = None
@@ -172,29 +302,119 @@ class ModelRunner:
         assert step is not None, "sample_tokens without execute_model"
         self._step = None
         if step.logits is None:
-            return _make_output(step.req_ids, [], [])
+            plan = self._output_plan(step, None)
+            if not plan.prompt_reqs:
+                return _make_output(step.req_ids, [], [])
+            return self._finish_output(plan)
         with self.tracer.span("sample", WORKER_LANE, step.step_id):
             logits = step.logits
             if grammar_bitmask is not None:
                 logits = self._apply_bitmask(logits, step.sample_req_ids, grammar_bitmask)
-            sampled = self.sampler(logits, step.sampling)
+            assert step.sampling is not None
+            out = self.sampler(logits, step.sampling)
             # The next step reads these on the device; no host round trip.
-            self.last_sampled[step.sample_slots] = sampled
-            if self._copy_stream is None:
-                return _make_output(step.req_ids, step.sample_req_ids, sampled.tolist())
-            return self._async_copy(step, sampled)
+            self.last_sampled[step.sample_slots] = out.sampled
+            self._record_samples(step, out.sampled)
+            return self._finish_output(self._output_plan(step, out))
 
-    def _async_copy(self, step: _StepState, sampled: torch.Tensor) -> AsyncModelRunnerOutput:
+    def _record_samples(self, step: _StepState, sampled: torch.Tensor) -> None:
+        """Append this step's samples to the device state the next steps' rules read."""
+        dev = self.device
+        pen_rows: list[int] = []
+        pen_slots: list[int] = []
+        hist_rows: list[int] = []
+        hist_slots: list[int] = []
+        hist_pos: list[int] = []
+        for row, req_id in enumerate(step.sample_req_ids):
+            state = self.requests[req_id]
+            if state.sampling_params.uses_penalties:
+                pen_rows.append(row)
+                pen_slots.append(state.slot)
+            if state.bad_word_seqs:
+                hist_rows.append(row)
+                hist_slots.append(state.slot)
+                hist_pos.append(state.num_output_tokens)
+            state.num_output_tokens += 1
+        if pen_rows:
+            assert self._counts is not None
+            ids = sampled[torch.tensor(pen_rows, dtype=torch.long, device=dev)]
+            slots = torch.tensor(pen_slots, dtype=torch.long, device=dev)
+            self._counts.index_put_((slots, ids), torch.ones_like(ids, dtype=torch.int32),
+                                    accumulate=True)
+        if hist_rows:
+            self._ensure_history(max(hist_pos) + 1)
+            assert self._history is not None
+            ids = sampled[torch.tensor(hist_rows, dtype=torch.long, device=dev)]
+            self._history[torch.tensor(hist_slots, dtype=torch.long, device=dev),
+                          torch.tensor(hist_pos, dtype=torch.long, device=dev)] = ids
+
+    def _output_plan(self, step: _StepState, out: SamplerOutput | None) -> _OutputPlan:
+        tensors: list[torch.Tensor] = []
+        rows: list[tuple[str, int, int]] = []
+        sample_req_ids = step.sample_req_ids if out is not None else []
+        if out is not None:
+            tensors.append(out.sampled)
+            if out.logprob_ids is not None:
+                assert out.logprobs is not None and out.ranks is not None
+                for row, req_id in enumerate(step.sample_req_ids):
+                    n = self.requests[req_id].sampling_params.logprobs
+                    if n is not None:
+                        rows.append((req_id, row, n))
+                tensors += [out.logprob_ids, out.logprobs, out.ranks]
+        else:
+            tensors.append(torch.zeros(0, dtype=torch.long, device=self.device))
+        prompt_reqs: list[tuple[str, int]] = []
+        for req_id, start, ids, vals, ranks in step.prompt_logprobs:
+            prompt_reqs.append((req_id, start))
+            tensors += [ids, vals, ranks]
+        return _OutputPlan(step.req_ids, sample_req_ids, rows, prompt_reqs, tensors)
+
+    def _finish_output(self, plan: _OutputPlan) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        if self._copy_stream is None:
+            return plan.build([t.tolist() for t in plan.tensors])
         stream = self._copy_stream
-        assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            host.copy_(sampled, non_blocking=True)
-            sampled.record_stream(stream)
+            host = []
+            for t in plan.tensors:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                host.append(h)
             event = torch.cuda.Event()
             event.record(stream)
-        return AsyncModelRunnerOutput(step.req_ids, step.sample_req_ids, host, event)
+        return AsyncModelRunnerOutput(host, event, plan.build)
+
+    def _prompt_logprobs(self, so: SchedulerOutput, req_ids: list[str], hidden: torch.Tensor
+                         ) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Raw logprobs of the prompt tokens this step's chunks predict.
+
+        Logits are computed only for the rows of requests that asked. The hidden state at
+        position p predicts prompt token p + 1, so a chunk [start, end) yields the logprobs
+        of tokens start + 1 .. min(end, num_prompt - 1).
+        """
+        out = []
+        row0 = 0
+        for req_id in req_ids:
+            n = so.num_scheduled_tokens[req_id]
+            state = self.requests[req_id]
+            if state.want_prompt_logprobs:
+                end = state.num_computed_tokens  # already advanced by _prepare_inputs
+                start = end - n
+                last = min(end, state.num_prompt_tokens - 1)
+                if last > start:
+                    m = last - start
+                    dev = self.device
+                    logits = self.model.compute_logits(hidden[row0: row0 + m])
+                    targets = torch.tensor(state.token_ids[start + 1: last + 1],
+                                           dtype=torch.long, device=dev)
+                    k = state.sampling_params.prompt_logprobs or 0
+                    ids, vals, ranks = compute_logprobs(logits, targets, k)
+                    out.append((req_id, start + 1, ids, vals, ranks))
+                if end >= state.num_prompt_tokens:
+                    state.want_prompt_logprobs = False
+            row0 += n
+        return out
 
     def _apply_bitmask(self, logits: torch.Tensor, sample_req_ids: list[str],
                        bitmask: object) -> torch.Tensor:
@@ -277,7 +497,24 @@ class ModelRunner:
         greedy: list[bool] = []
         top_p: list[float] = []
         top_k: list[int] = []
+        min_p: list[float] = []
         generators: dict[int, torch.Generator] = {}
+        bias_rows: list[int] = []
+        bias_slots: list[int] = []
+        pen_rows: list[int] = []
+        pen_slots: list[int] = []
+        pen_values: list[tuple[float, float, float]] = []
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        num_fixed_bans = 0
+        # Multi-token bad words: compare history[slot, n_out - L + 1 + j] with prefix[j].
+        bw_flat: list[int] = []
+        bw_prefix: list[int] = []
+        bw_group: list[int] = []
+        bw_rows: list[int] = []
+        bw_last: list[int] = []
+        max_logprobs: int | None = None
+        width = self._history.shape[1] if self._history is not None else 0
         for row, req_id in enumerate(sample_req_ids):
             state = self.requests[req_id]
             p = state.sampling_params
@@ -286,14 +523,47 @@ class ModelRunner:
             temps.append(1.0 if is_greedy else p.temperature)
             top_p.append(p.top_p)
             top_k.append(p.top_k if p.top_k > 0 else -1)
+            min_p.append(0.0 if is_greedy else p.min_p)
             if state.generator is not None:
                 generators[row] = state.generator
+            if p.uses_penalties:
+                pen_rows.append(row)
+                pen_slots.append(state.slot)
+                pen_values.append((p.presence_penalty, p.frequency_penalty,
+                                   p.repetition_penalty))
+            if p.allowed_token_ids is not None or p.logit_bias or any(
+                    len(w) == 1 for w in p.bad_words_token_ids):
+                bias_rows.append(row)
+                bias_slots.append(state.slot)
+            n_out = state.num_output_tokens
+            if n_out < p.min_tokens:
+                for t in p.all_stop_token_ids:
+                    if t < self.vocab_size:
+                        ban_rows.append(row)
+                        ban_cols.append(t)
+            for seq in state.bad_word_seqs:
+                k = len(seq) - 1
+                if n_out >= k:
+                    g = len(bw_rows)
+                    bw_rows.append(row)
+                    bw_last.append(seq[-1])
+                    base = state.slot * width + n_out - k
+                    bw_flat.extend(range(base, base + k))
+                    bw_prefix.extend(seq[:-1])
+                    bw_group.extend([g] * k)
+            if p.logprobs is not None:
+                max_logprobs = max(max_logprobs or 0, p.logprobs)
+        num_fixed_bans = len(ban_rows)
         dev = self.device
         all_greedy = all(greedy)
         all_random = not any(greedy)
         use_top_k = any(k > 0 for k in top_k)
         vocab = 1 << 30
-        return SamplingMetadata(
+
+        def lt(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        meta = SamplingMetadata(
             all_greedy=all_greedy,
             all_random=all_random,
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
@@ -304,4 +574,40 @@ class ModelRunner:
             top_k=torch.tensor([k if k > 0 else vocab for k in top_k], dtype=torch.long,
                                device=dev) if use_top_k else None,
             generators=generators,
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=dev)
+            if any(m > 0.0 for m in min_p) else None,
+            max_num_logprobs=max_logprobs,
         )
+        if bias_rows:
+            assert self._static_bias is not None
+            meta.bias_rows = lt(bias_rows)
+            meta.bias = self._static_bias[lt(bias_slots)]
+        if pen_rows:
+            assert self._counts is not None and self._prompt_mask is not None
+            slots = lt(pen_slots)
+            vals = torch.tensor(pen_values, dtype=torch.float32, device=dev)
+            meta.penalties = PenaltyBatch(
+                rows=lt(pen_rows), output_counts=self._counts[slots],
+                prompt_mask=self._prompt_mask[slots],
+                presence=vals[:, 0], frequency=vals[:, 1], repetition=vals[:, 2])
+        if ban_rows or bw_rows:
+            on = torch.ones(num_fixed_bans, dtype=torch.bool, device=dev)
+            if bw_rows:
+                assert self._history is not None
+                # A group matches when none of its prefix positions differs (no host sync).
+                differs = self._history.view(-1)[lt(bw_flat)] != lt(bw_prefix)
+                mismatches = torch.zeros(len(bw_rows), dtype=torch.long, device=dev)
+                mismatches.index_add_(0, lt(bw_group), differs.long())
+                on = torch.cat([on, mismatches == 0])
+            meta.ban_rows = lt(ban_rows + bw_rows)
+            meta.ban_cols = lt(ban_cols + bw_last)
+            meta.ban_on = on
+        return meta
+
+
+def _vocab_of(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        raise ValueError("ModelRunner needs vocab_size for this model")
+    return int(vocab)
