@@ -37,24 +37,34 @@ def capture(mode: str, dtype: str, n: int) -> list[Span]:
     return spans
 
 
-def window(spans: list[Span], first: int, count: int) -> list[Span]:
+Window = tuple[list[Span], float, float]
+
+
+def steps_window(spans: list[Span], first: int, count: int) -> Window:
     """Spans from the start of forward ``first`` to the end of forward ``first+count``."""
     fwd = sorted((s for s in spans if s.name == "forward"), key=lambda s: s.start)
     t0, t1 = fwd[first].start, fwd[min(first + count, len(fwd) - 1)].end
-    return [s for s in spans if s.end > t0 and s.start < t1 and s.name in COLORS]
+    return [s for s in spans if s.end > t0 and s.start < t1 and s.name in COLORS], t0, t1
 
 
-def svg(panels: list[tuple[str, list[Span]]], width: int = 1000) -> str:
+def boundary_window(spans: list[Span], step_index: int, width_ms: float) -> Window:
+    """A few milliseconds around the end of one step's sampling on the worker."""
+    samples = sorted((s for s in spans if s.name == "sample"), key=lambda s: s.start)
+    t0 = samples[step_index].start - 0.3e-3
+    t1 = t0 + width_ms * 1e-3
+    return [s for s in spans if s.end > t0 and s.start < t1 and s.name in COLORS], t0, t1
+
+
+def svg(panels: list[tuple[str, Window]], width: int = 1000) -> str:
     lane_h, gap, left = 26, 70, 150
     height = len(panels) * (2 * lane_h + gap) + 40
-    span_ms = max(max(s.end for s in sp) - min(s.start for s in sp) for _, sp in panels) * 1e3
+    span_ms = max(t1 - t0 for _, (_, t0, t1) in panels) * 1e3
     scale = (width - left - 20) / span_ms
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            'font-family="sans-serif" font-size="12">',
            f'<rect width="{width}" height="{height}" fill="white"/>']
     y = 20
-    for title, spans in panels:
-        t0 = min(s.start for s in spans)
+    for title, (spans, t0, t1) in panels:
         out.append(f'<text x="10" y="{y}" font-weight="bold">{title}</text>')
         for i, lane in enumerate((ENGINE_LANE, WORKER_LANE)):
             ly = y + 10 + i * lane_h
@@ -62,8 +72,9 @@ def svg(panels: list[tuple[str, list[Span]]], width: int = 1000) -> str:
             for s in spans:
                 if s.lane != lane:
                     continue
-                x = left + (s.start - t0) * 1e3 * scale
-                w = max((s.end - s.start) * 1e3 * scale, 1.0)
+                start, end = max(s.start, t0), min(s.end, t1)
+                x = left + (start - t0) * 1e3 * scale
+                w = max((end - start) * 1e3 * scale, 1.0)
                 out.append(f'<rect x="{x:.1f}" y="{ly}" width="{w:.1f}" height="{lane_h - 4}" '
                            f'fill="{COLORS[s.name]}"><title>{s.name} step {s.step} '
                            f'{(s.end - s.start) * 1e3:.2f} ms</title></rect>')
@@ -73,7 +84,7 @@ def svg(panels: list[tuple[str, list[Span]]], width: int = 1000) -> str:
         out.append(f'<rect x="{x}" y="{height - 22}" width="12" height="12" fill="{color}"/>'
                    f'<text x="{x + 16}" y="{height - 12}">{name}</text>')
         x += 90
-    out.append(f'<text x="{width - 160}" y="{height - 12}">scale: {span_ms:.0f} ms wide</text>')
+    out.append(f'<text x="{width - 160}" y="{height - 12}">scale: {span_ms:.1f} ms wide</text>')
     out.append("</svg>")
     return "\n".join(out)
 
@@ -88,12 +99,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    panels = []
+    steps, zoom = [], []
     for mode, title in (("off", "sync (--no-async-scheduling)"), ("on", "async (default)")):
-        panels.append((title, window(capture(mode, args.dtype, args.num_prompts), 8, 5)))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(svg(panels))
-    print(f"wrote {args.out}")
+        spans = capture(mode, args.dtype, args.num_prompts)
+        steps.append((f"{title}: five decode steps", steps_window(spans, 8, 5)))
+        zoom.append((f"{title}: one step boundary", boundary_window(spans, 10, 4.0)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(svg(steps))
+    zoom_out = out.with_name(out.stem + "_boundary.svg")
+    zoom_out.write_text(svg(zoom))
+    print(f"wrote {out} and {zoom_out}")
 
 
 if __name__ == "__main__":

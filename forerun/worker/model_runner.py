@@ -63,7 +63,6 @@ class _StepState:
     sample_req_ids: list[str]
     sample_slots: torch.Tensor | None
     logits: torch.Tensor | None
-    sampling: SamplingMetadata | None
     step_id: int
     # (req_id, start, ids [m, 1+n], logprobs [m, 1+n], ranks [m]) per prompt chunk.
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = \
@@ -283,7 +282,7 @@ class ModelRunner:
             self._update_states(so)
             req_ids = list(so.num_scheduled_tokens)
             if not req_ids:
-                self._step = _StepState([], [], None, None, None, so.step_id)
+                self._step = _StepState([], [], None, None, so.step_id)
                 return
             inputs = self._prepare_inputs(so, req_ids)
         with self.tracer.span("forward", WORKER_LANE, so.step_id):
@@ -291,8 +290,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[logits_rows]) if sample_req_ids else None
             prompt_lps = self._prompt_logprobs(so, req_ids, hidden)
-        sampling = self._sampling_metadata(sample_req_ids) if sample_req_ids else None
-        self._step = _StepState(req_ids, sample_req_ids, sample_slots, logits, sampling,
+        self._step = _StepState(req_ids, sample_req_ids, sample_slots, logits,
                                 so.step_id, prompt_lps)
 
     @torch.inference_mode()
@@ -310,8 +308,7 @@ class ModelRunner:
             logits = step.logits
             if grammar_bitmask is not None:
                 logits = self._apply_bitmask(logits, step.sample_req_ids, grammar_bitmask)
-            assert step.sampling is not None
-            out = self.sampler(logits, step.sampling)
+            out = self.sampler(logits, self._sampling_metadata(step.sample_req_ids))
             # The next step reads these on the device; no host round trip.
             self.last_sampled[step.sample_slots] = out.sampled
             self._record_samples(step, out.sampled)
