@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 import torch
+from common import markdown_table, random_prompts, write_json
 
-from benchmarks.common import markdown_table, random_prompts, write_json
 from forerun import LLM, SamplingParams
 
 
