@@ -16,43 +16,13 @@ from forerun.core.output import (
     TokenLogprobs,
 )
 from forerun.model.attention import AttentionMetadata
-from forerun.sampling_params import SamplingParams, SamplingType
+from forerun.sampling_params import SamplingType
 from forerun.trace import WORKER_LANE, Tracer
-from forerun.worker.sampler import (
-    PenaltyBatch,
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-    compute_logprobs,
-)
+from forerun.worker.request_state import CachedRequestState
+from forerun.worker.sampler import Sampler, SamplerOutput, compute_logprobs
+from forerun.worker.sampling_state import SamplingState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    """What the worker remembers about a request between steps.
-
-    ``token_ids`` holds only the ids the scheduler sent (the prompt, or every known id when
-    a preempted request resumes). Output ids are never sent back: the position after the
-    last known id is fed from ``ModelRunner.last_sampled`` on the device.
-    """
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    slot: int  # stable row of this request in the runner's device tensors
-    last_sampled_pos: int = -1  # position of the token held in last_sampled[slot]
-    num_prompt_tokens: int = 0
-    # Outputs that exist, known or not: those sent on resume plus every sample taken here
-    # (a count the worker knows without reading the ids back from the device).
-    num_output_tokens: int = 0
-    want_prompt_logprobs: bool = False
-    # Multi-token bad words; their prefixes are matched against the device history.
-    bad_word_seqs: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -161,15 +131,8 @@ class ModelRunner:
         self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.sampler = Sampler()
         self.vocab_size = vocab_size if vocab_size is not None else _vocab_of(model)
-        # Per-slot sampling state, allocated the first time a request needs it, so plain
-        # sampling pays nothing: output token counts and prompt presence (penalties),
-        # a static additive bias row (allowed ids, logit_bias, one-token bad words), and
-        # the output history (multi-token bad words). All stay on the device and are
-        # updated right after each sample, so no step reads an id back to the host.
-        self._counts: torch.Tensor | None = None
-        self._prompt_mask: torch.Tensor | None = None
-        self._static_bias: torch.Tensor | None = None
-        self._history: torch.Tensor | None = None
+        # Penalty counts, bias rows and bad-word history, per slot, on the device.
+        self.sampling_state = SamplingState(max_num_seqs, self.vocab_size, device)
         self._paused_generators: dict[str, torch.Generator] = {}
         self._step: _StepState | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -210,7 +173,7 @@ class ModelRunner:
                 want_prompt_logprobs=new.want_prompt_logprobs,
             )
             self.requests[new.req_id] = state
-            self._init_slot_state(state)
+            self.sampling_state.init_slot(state)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -218,62 +181,6 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = computed
-
-    def _init_slot_state(self, state: CachedRequestState) -> None:
-        """Fill the request's rows of the sampling state from its known ids.
-
-        For a resumed request these ids include every output so far, so the counts and
-        the history are rebuilt exactly as they were before the preemption.
-        """
-        p, slot, dev = state.sampling_params, state.slot, self.device
-        prompt = state.token_ids[: state.num_prompt_tokens]
-        outputs = state.token_ids[state.num_prompt_tokens:]
-        V = self.vocab_size
-        if p.uses_penalties:
-            if self._counts is None:
-                self._counts = torch.zeros((self.max_num_reqs, V), dtype=torch.int32, device=dev)
-                self._prompt_mask = torch.zeros((self.max_num_reqs, V), dtype=torch.bool,
-                                                device=dev)
-            assert self._prompt_mask is not None
-            self._counts[slot].zero_()
-            if outputs:
-                out_t = torch.tensor(outputs, dtype=torch.long, device=dev)
-                self._counts[slot].index_add_(
-                    0, out_t, torch.ones(len(outputs), dtype=torch.int32, device=dev))
-            self._prompt_mask[slot].zero_()
-            self._prompt_mask[slot, torch.tensor(prompt, dtype=torch.long, device=dev)] = True
-        single = [w[0] for w in p.bad_words_token_ids if len(w) == 1]
-        if p.allowed_token_ids is not None or p.logit_bias or single:
-            if self._static_bias is None:
-                self._static_bias = torch.zeros((self.max_num_reqs, V), dtype=torch.float32,
-                                                device=dev)
-            row = torch.zeros(V, dtype=torch.float32)
-            if p.allowed_token_ids is not None:
-                row.fill_(float("-inf"))
-                row[torch.tensor(p.allowed_token_ids, dtype=torch.long)] = 0.0
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-                row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
-            if single:
-                row[torch.tensor(single, dtype=torch.long)] = float("-inf")
-            self._static_bias[slot].copy_(row)
-        state.bad_word_seqs = [w for w in p.bad_words_token_ids if len(w) > 1]
-        if state.bad_word_seqs:
-            self._ensure_history(len(outputs) + 1)
-            assert self._history is not None
-            if outputs:
-                self._history[slot, : len(outputs)] = torch.tensor(outputs, dtype=torch.long,
-                                                                    device=dev)
-
-    def _ensure_history(self, width: int) -> None:
-        h = self._history
-        if h is not None and h.shape[1] >= width:
-            return
-        new_w = max(256, width, 2 * (h.shape[1] if h is not None else 0))
-        grown = torch.zeros((self.max_num_reqs, new_w), dtype=torch.long, device=self.device)
-        if h is not None:
-            grown[:, : h.shape[1]] = h
-        self._history = grown
 
     # ----- the two calls ----------------------------------------------------------------
     @torch.inference_mode()
@@ -308,42 +215,12 @@ class ModelRunner:
             logits = step.logits
             if grammar_bitmask is not None:
                 logits = self._apply_bitmask(logits, step.sample_req_ids, grammar_bitmask)
-            out = self.sampler(logits, self._sampling_metadata(step.sample_req_ids))
+            states = [self.requests[r] for r in step.sample_req_ids]
+            out = self.sampler(logits, self.sampling_state.metadata(states))
             # The next step reads these on the device; no host round trip.
             self.last_sampled[step.sample_slots] = out.sampled
-            self._record_samples(step, out.sampled)
+            self.sampling_state.record_samples(states, out.sampled)
             return self._finish_output(self._output_plan(step, out))
-
-    def _record_samples(self, step: _StepState, sampled: torch.Tensor) -> None:
-        """Append this step's samples to the device state the next steps' rules read."""
-        dev = self.device
-        pen_rows: list[int] = []
-        pen_slots: list[int] = []
-        hist_rows: list[int] = []
-        hist_slots: list[int] = []
-        hist_pos: list[int] = []
-        for row, req_id in enumerate(step.sample_req_ids):
-            state = self.requests[req_id]
-            if state.sampling_params.uses_penalties:
-                pen_rows.append(row)
-                pen_slots.append(state.slot)
-            if state.bad_word_seqs:
-                hist_rows.append(row)
-                hist_slots.append(state.slot)
-                hist_pos.append(state.num_output_tokens)
-            state.num_output_tokens += 1
-        if pen_rows:
-            assert self._counts is not None
-            ids = sampled[torch.tensor(pen_rows, dtype=torch.long, device=dev)]
-            slots = torch.tensor(pen_slots, dtype=torch.long, device=dev)
-            self._counts.index_put_((slots, ids), torch.ones_like(ids, dtype=torch.int32),
-                                    accumulate=True)
-        if hist_rows:
-            self._ensure_history(max(hist_pos) + 1)
-            assert self._history is not None
-            ids = sampled[torch.tensor(hist_rows, dtype=torch.long, device=dev)]
-            self._history[torch.tensor(hist_slots, dtype=torch.long, device=dev),
-                          torch.tensor(hist_pos, dtype=torch.long, device=dev)] = ids
 
     def _output_plan(self, step: _StepState, out: SamplerOutput | None) -> _OutputPlan:
         tensors: list[torch.Tensor] = []
@@ -488,119 +365,6 @@ class ModelRunner:
             sample_req_ids,
             torch.tensor(sample_slots, dtype=torch.long, device=dev),
         )
-
-    def _sampling_metadata(self, sample_req_ids: list[str]) -> SamplingMetadata:
-        temps: list[float] = []
-        greedy: list[bool] = []
-        top_p: list[float] = []
-        top_k: list[int] = []
-        min_p: list[float] = []
-        generators: dict[int, torch.Generator] = {}
-        bias_rows: list[int] = []
-        bias_slots: list[int] = []
-        pen_rows: list[int] = []
-        pen_slots: list[int] = []
-        pen_values: list[tuple[float, float, float]] = []
-        ban_rows: list[int] = []
-        ban_cols: list[int] = []
-        num_fixed_bans = 0
-        # Multi-token bad words: compare history[slot, n_out - L + 1 + j] with prefix[j].
-        bw_flat: list[int] = []
-        bw_prefix: list[int] = []
-        bw_group: list[int] = []
-        bw_rows: list[int] = []
-        bw_last: list[int] = []
-        max_logprobs: int | None = None
-        width = self._history.shape[1] if self._history is not None else 0
-        for row, req_id in enumerate(sample_req_ids):
-            state = self.requests[req_id]
-            p = state.sampling_params
-            is_greedy = p.sampling_type == SamplingType.GREEDY
-            greedy.append(is_greedy)
-            temps.append(1.0 if is_greedy else p.temperature)
-            top_p.append(p.top_p)
-            top_k.append(p.top_k if p.top_k > 0 else -1)
-            min_p.append(0.0 if is_greedy else p.min_p)
-            if state.generator is not None:
-                generators[row] = state.generator
-            if p.uses_penalties:
-                pen_rows.append(row)
-                pen_slots.append(state.slot)
-                pen_values.append((p.presence_penalty, p.frequency_penalty,
-                                   p.repetition_penalty))
-            if p.allowed_token_ids is not None or p.logit_bias or any(
-                    len(w) == 1 for w in p.bad_words_token_ids):
-                bias_rows.append(row)
-                bias_slots.append(state.slot)
-            n_out = state.num_output_tokens
-            if n_out < p.min_tokens:
-                for t in p.all_stop_token_ids:
-                    if t < self.vocab_size:
-                        ban_rows.append(row)
-                        ban_cols.append(t)
-            for seq in state.bad_word_seqs:
-                k = len(seq) - 1
-                if n_out >= k:
-                    g = len(bw_rows)
-                    bw_rows.append(row)
-                    bw_last.append(seq[-1])
-                    base = state.slot * width + n_out - k
-                    bw_flat.extend(range(base, base + k))
-                    bw_prefix.extend(seq[:-1])
-                    bw_group.extend([g] * k)
-            if p.logprobs is not None:
-                max_logprobs = max(max_logprobs or 0, p.logprobs)
-        num_fixed_bans = len(ban_rows)
-        dev = self.device
-        all_greedy = all(greedy)
-        all_random = not any(greedy)
-        use_top_k = any(k > 0 for k in top_k)
-        vocab = 1 << 30
-
-        def lt(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=dev)
-
-        meta = SamplingMetadata(
-            all_greedy=all_greedy,
-            all_random=all_random,
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            greedy_mask=None if (all_greedy or all_random)
-            else torch.tensor(greedy, dtype=torch.bool, device=dev),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev)
-            if any(p < 1.0 for p in top_p) else None,
-            top_k=torch.tensor([k if k > 0 else vocab for k in top_k], dtype=torch.long,
-                               device=dev) if use_top_k else None,
-            generators=generators,
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=dev)
-            if any(m > 0.0 for m in min_p) else None,
-            max_num_logprobs=max_logprobs,
-        )
-        if bias_rows:
-            assert self._static_bias is not None
-            meta.bias_rows = lt(bias_rows)
-            meta.bias = self._static_bias[lt(bias_slots)]
-        if pen_rows:
-            assert self._counts is not None and self._prompt_mask is not None
-            slots = lt(pen_slots)
-            vals = torch.tensor(pen_values, dtype=torch.float32, device=dev)
-            meta.penalties = PenaltyBatch(
-                rows=lt(pen_rows), output_counts=self._counts[slots],
-                prompt_mask=self._prompt_mask[slots],
-                presence=vals[:, 0], frequency=vals[:, 1], repetition=vals[:, 2])
-        if ban_rows or bw_rows:
-            on = torch.ones(num_fixed_bans, dtype=torch.bool, device=dev)
-            if bw_rows:
-                assert self._history is not None
-                # A group matches when none of its prefix positions differs (no host sync).
-                differs = self._history.view(-1)[lt(bw_flat)] != lt(bw_prefix)
-                mismatches = torch.zeros(len(bw_rows), dtype=torch.long, device=dev)
-                mismatches.index_add_(0, lt(bw_group), differs.long())
-                on = torch.cat([on, mismatches == 0])
-            meta.ban_rows = lt(ban_rows + bw_rows)
-            meta.ban_cols = lt(ban_cols + bw_last)
-            meta.ban_on = on
-        return meta
-
 
 def _vocab_of(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)

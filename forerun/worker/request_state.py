@@ -1,0 +1,35 @@
+"""What the worker remembers about one request between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from forerun.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the worker remembers about a request between steps.
+
+    ``token_ids`` holds only the ids the scheduler sent (the prompt, or every known id when
+    a preempted request resumes). Output ids are never sent back: the position after the
+    last known id is fed from ``ModelRunner.last_sampled`` on the device.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    slot: int  # stable row of this request in the runner's device tensors
+    last_sampled_pos: int = -1  # position of the token held in last_sampled[slot]
+    num_prompt_tokens: int = 0
+    # Outputs that exist, known or not: those sent on resume plus every sample taken here
+    # (a count the worker knows without reading the ids back from the device).
+    num_output_tokens: int = 0
+    want_prompt_logprobs: bool = False
+    # Multi-token bad words; their prefixes are matched against the device history.
+    bad_word_seqs: list[list[int]] = field(default_factory=list)
