@@ -27,26 +27,46 @@ class Span:
 
 
 class Tracer:
-    """Records spans when enabled and always sums device-busy time.
+    """Records spans when enabled and always sums device-busy and worker-idle time.
 
-    Device-busy time (forward + sample on the worker) is kept even without a trace file,
-    because ``device_busy_fraction`` is a stat the engine always reports.
+    Device-busy time (forward + sample on the worker) and the worker's idle gap between
+    one step and the next are kept even without a trace file: they are stats the engine
+    always reports, and the gap is exactly what async scheduling exists to remove.
     """
 
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
         self.spans: list[Span] = []
         self.device_busy_s = 0.0
+        self.worker_idle_s = 0.0
+        self.worker_step_gaps = 0
+        self._worker_step = -1
+        self._worker_last_end: float | None = None
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
+
+    def reset_window(self) -> None:
+        """Start counting busy and idle time afresh (the next step's gap is not counted)."""
+        self.device_busy_s = 0.0
+        self.worker_idle_s = 0.0
+        self.worker_step_gaps = 0
+        self._worker_last_end = None
 
     @contextmanager
     def span(self, name: str, lane: str, step: int = -1) -> Iterator[None]:
         start = time.perf_counter()
+        if lane == WORKER_LANE and step != self._worker_step:
+            # The worker's first span of a new step: how long did it wait for work?
+            if self._worker_last_end is not None:
+                self.worker_idle_s += start - self._worker_last_end
+                self.worker_step_gaps += 1
+            self._worker_step = step
         try:
             yield
         finally:
             end = time.perf_counter()
+            if lane == WORKER_LANE:
+                self._worker_last_end = end
             if name in DEVICE_SPANS:
                 self.device_busy_s += end - start
             if self.enabled:
@@ -56,7 +76,7 @@ class Tracer:
     def reset(self) -> None:
         with self._lock:
             self.spans.clear()
-            self.device_busy_s = 0.0
+        self.reset_window()
 
     def to_chrome_trace(self) -> dict:
         lanes = {ENGINE_LANE: 1, WORKER_LANE: 2}

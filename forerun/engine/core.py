@@ -138,7 +138,7 @@ class EngineCore:
     # ----- stats ------------------------------------------------------------------------
     def reset_stats_window(self) -> None:
         """Start a new window for ``device_busy_fraction`` (e.g. one generate call)."""
-        self.tracer.device_busy_s = 0.0
+        self.tracer.reset_window()
         self._window_start = time.perf_counter()
         self._window_end = None
 
@@ -165,6 +165,10 @@ class EngineCore:
             "max_concurrent_batches": self.max_concurrent_batches,
             # Worker time in forward + sample over the wall time of the window.
             "device_busy_fraction": self.tracer.device_busy_s / wall if wall > 0 else 0.0,
+            # Mean time the worker waited between finishing one step and starting the next.
+            "worker_idle_ms_per_step": (
+                1e3 * self.tracer.worker_idle_s / self.tracer.worker_step_gaps
+                if self.tracer.worker_step_gaps else 0.0),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_deferred_samplings": self.num_deferred_samplings,
