@@ -6,7 +6,6 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from forerun.model.config import ModelConfig
 from forerun.model.loader import (
@@ -45,10 +44,9 @@ def config(source: ModelSource) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def hf(source: ModelSource) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32
-    ).eval()
+def hf(hf_smollm2) -> torch.nn.Module:
+    # The session-wide transformers oracle on the same GGUF (loading it takes ~15 s).
+    return hf_smollm2[0]
 
 
 @pytest.fixture(scope="module")
