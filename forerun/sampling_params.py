@@ -100,8 +100,8 @@ class SamplingParams:
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (several completions per prompt are not supported yet), got {self.n}.")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n!r}.")
         for s in self.stop:  # type: ignore[union-attr]
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {s!r}.")

@@ -159,7 +159,7 @@ def test_stop_strings(env: dict[str, Any], client: openai.OpenAI) -> None:
     ({"temperature": -1}, "temperature"),
     ({"top_p": 2}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"logprobs": 21}, "logprobs"),
@@ -226,6 +226,39 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True,
                                        top_logprobs=30)
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_parallel_sampling_n(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=5, n=2,
+                              extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=PROMPT, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 12
+    # Streamed: chunks per choice, the same texts (seeded), usage over both.
+    texts = ["", ""]
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+    assert chunks[-1].usage.completion_tokens == 12
+    # Two prompts: choices 0, 1 for the first, 2, 3 for the second.
+    r2 = client.completions.create(prompt=[PROMPT, PROMPT], **kw)
+    assert sorted(c.index for c in r2.choices) == [0, 1, 2, 3]
+    assert [c.text for c in r2.choices] == [c.text for c in r.choices] * 2
+    chat = client.chat.completions.create(messages=CHAT, **kw)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.usage.completion_tokens == 12
+    deltas = ["", ""]
+    roles = set()
+    for chunk in client.chat.completions.create(messages=CHAT, stream=True, **kw):
+        for c in chunk.choices:
+            deltas[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add(c.index)
+    assert roles == {0, 1}
+    assert deltas == [c.message.content for c in chat.choices]
 
 
 def test_harmless_defaults_accepted(client: openai.OpenAI) -> None:

@@ -14,6 +14,7 @@ from forerun.engine.builder import ModelInfo, resolve_model_info
 from forerun.engine.core_client import EngineCoreClient, EngineDeadError
 from forerun.engine.core_messages import CoreFailed, CoreOutputs, StatsReply
 from forerun.engine.output_processor import OutputProcessor
+from forerun.engine.parallel_sampling import ParentRequest, child_params
 from forerun.engine.processor import Processor, PromptType
 from forerun.model.loader import load_tokenizer
 from forerun.outputs import RequestOutput
@@ -87,6 +88,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}
+        # Parallel sampling: parents by id, and each child's parent.
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_parent: dict[str, ParentRequest] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._call_ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
@@ -103,7 +107,12 @@ class AsyncLLM:
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> RequestStream:
-        """Validate and send one request; raises ValueError (field name first) if bad."""
+        """Validate and send one request; raises ValueError (field name first) if bad.
+
+        With ``params.n > 1`` the request is fanned out into n children (see
+        :mod:`forerun.engine.parallel_sampling`); the stream yields the parent's outputs,
+        each with all n completions.
+        """
         self._ensure_handler()
         if self.is_dead:
             raise EngineDeadError(self.dead_error or self.client.death_message())
@@ -113,14 +122,34 @@ class AsyncLLM:
         params = self.processor.process_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         stream = RequestStream(self, request_id)
-        self.output_processor.add_request(request_id, processed.prompt,
-                                          processed.prompt_token_ids, params, arrival)
+        if params.n == 1:
+            jobs = [(request_id, params)]
+        else:
+            parent = ParentRequest(request_id, params.n)
+            self._parents[request_id] = parent
+            for cid in parent.child_ids:
+                self._child_parent[cid] = parent
+            jobs = [(cid, child_params(params, i)) for i, cid in enumerate(parent.child_ids)]
         self._streams[request_id] = stream
+        sent: list[str] = []
         try:
-            self.client.add_request(request_id, processed.prompt_token_ids, params, arrival)
+            # Back to back, so the core admits the children together and they share the
+            # prompt's KV blocks through the prefix cache.
+            for rid, p in jobs:
+                self.output_processor.add_request(rid, processed.prompt,
+                                                  processed.prompt_token_ids, p, arrival)
+                sent.append(rid)
+                self.client.add_request(rid, processed.prompt_token_ids, p, arrival)
         except BaseException:
             self._streams.pop(request_id, None)
-            self.output_processor.abort_request(request_id)
+            self._forget_parent(request_id)
+            for rid in sent:
+                self.output_processor.abort_request(rid)
+            if len(sent) > 1:
+                try:
+                    self.client.abort_requests(sent[:-1])
+                except Exception:
+                    logger.debug("abort of %s not delivered", sent, exc_info=True)
             raise
         return stream
 
@@ -134,26 +163,40 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    def _forget_parent(self, request_id: str) -> list[str]:
+        """The engine-side ids of ``request_id`` still running: its children, or itself."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return [request_id]
+        for cid in parent.child_ids:
+            self._child_parent.pop(cid, None)
+        return parent.unfinished_child_ids()
+
     def abort(self, request_id: str) -> None:
+        """Abort a request (a parallel-sampling parent aborts all its children)."""
         stream = self._streams.pop(request_id, None)
-        state = self.output_processor.abort_request(request_id)
-        if stream is None and state is None:
+        ids = self._forget_parent(request_id)
+        states = [self.output_processor.abort_request(rid) for rid in ids]
+        if stream is None and all(s is None for s in states):
             return
         if self.observer is not None:
-            self.observer.on_abort(request_id)
+            for rid in ids:
+                self.observer.on_abort(rid)
         try:
-            self.client.abort_requests([request_id])
+            self.client.abort_requests(ids)
         except Exception:  # the core is gone: nothing left to free
-            logger.debug("abort of %s not delivered", request_id, exc_info=True)
+            logger.debug("abort of %s not delivered", ids, exc_info=True)
 
     def fail_all(self, error: BaseException) -> None:
         """End every request in flight with ``error`` (shutdown, engine death)."""
+        ids: list[str] = []
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(error)
-            self.output_processor.abort_request(rid)
-            if self.observer is not None:
-                self.observer.on_abort(rid)
-        ids = list(self._streams)
+            for eid in self._forget_parent(rid):
+                ids.append(eid)
+                self.output_processor.abort_request(eid)
+                if self.observer is not None:
+                    self.observer.on_abort(eid)
         self._streams.clear()
         if ids and self.client.is_alive():
             self.client.abort_requests(ids)
@@ -220,15 +263,32 @@ class AsyncLLM:
             [w.to_core_output() for w in msg.outputs])
         if to_abort:
             self.client.abort_requests(to_abort)
+        touched: dict[str, ParentRequest] = {}
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+            parent = self._child_parent.get(out.request_id)
+            if parent is not None:
+                # Metrics count each child as a sequence; the stream gets the parent.
+                if self.observer is not None:
+                    self.observer.on_output(out)
+                parent.add_child_output(out)
+                touched[parent.request_id] = parent
                 continue
+            self._dispatch(out, observe=True)
+        for parent in touched.values():
+            out = parent.make_output()
             if out.finished:
-                del self._streams[out.request_id]
-            if self.observer is not None:
-                self.observer.on_output(out)
-            stream.queue.put_nowait(out)
+                self._forget_parent(parent.request_id)
+            self._dispatch(out, observe=False)
+
+    def _dispatch(self, out: RequestOutput, observe: bool) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        if observe and self.observer is not None:
+            self.observer.on_output(out)
+        stream.queue.put_nowait(out)
 
     def _die(self, message: str) -> None:
         if self.dead_error is not None:

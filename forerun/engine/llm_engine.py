@@ -10,7 +10,8 @@ from forerun.config import EngineConfig
 from forerun.core.block_hash import make_block_hasher
 from forerun.engine.builder import build_engine_core, resolve_model_info, shared_tokenizer
 from forerun.engine.output_processor import OutputProcessor
-from forerun.engine.processor import Processor, PromptType
+from forerun.engine.parallel_sampling import ParentRequest, child_params
+from forerun.engine.processor import ProcessedPrompt, Processor, PromptType
 from forerun.outputs import RequestOutput
 from forerun.request import Request
 from forerun.sampling_params import SamplingParams
@@ -36,14 +37,33 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
                                    info.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Parallel sampling: parents by id, and each child's parent.
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_parent: dict[str, ParentRequest] = {}
 
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        """Validate and queue one request; raises ValueError before any work starts."""
+        """Validate and queue one request; raises ValueError before any work starts.
+
+        With ``params.n > 1`` the request is fanned out into n children (see
+        :mod:`forerun.engine.parallel_sampling`); ``step()`` reports the parent.
+        """
         processed = self.processor.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.processor.process_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if params.n == 1:
+            self._add_one(request_id, processed, params, arrival)
+            return
+        parent = ParentRequest(request_id, params.n)
+        self._parents[request_id] = parent
+        # Back to back, so one scheduling step admits them all and they share the prompt.
+        for i, cid in enumerate(parent.child_ids):
+            self._child_parent[cid] = parent
+            self._add_one(cid, processed, child_params(params, i), arrival)
+
+    def _add_one(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                 arrival: float) -> None:
         request = Request(request_id, processed.prompt_token_ids, params,
                           arrival_time=arrival, block_hasher=self._block_hasher)
         self.engine_core.add_request(request)
@@ -51,9 +71,19 @@ class LLMEngine:
                                           processed.prompt_token_ids, params, arrival)
 
     def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests by id; a parallel-sampling parent aborts all its children."""
+        engine_ids: list[str] = []
         for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                engine_ids.append(rid)
+                continue
+            for cid in parent.child_ids:
+                self._child_parent.pop(cid, None)
+            engine_ids.extend(parent.unfinished_child_ids())
+        for rid in engine_ids:
             self.output_processor.abort_request(rid)
-        self.engine_core.abort_requests(request_ids)
+        self.engine_core.abort_requests(engine_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
@@ -62,9 +92,30 @@ class LLMEngine:
         core_outputs = self.engine_core.run_step()
         with self.tracer.span("output", ENGINE_LANE):
             outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+            if self._child_parent:
+                outputs = self._merge_children(outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         return outputs
+
+    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Replace children's outputs by one aggregated output per parent touched."""
+        merged: list[RequestOutput] = []
+        touched: dict[str, ParentRequest] = {}
+        for out in outputs:
+            parent = self._child_parent.get(out.request_id)
+            if parent is None:
+                merged.append(out)
+                continue
+            parent.add_child_output(out)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            merged.append(parent.make_output())
+            if parent.finished:
+                del self._parents[parent.request_id]
+                for cid in parent.child_ids:
+                    self._child_parent.pop(cid, None)
+        return merged
 
     # ----- stats, shutdown --------------------------------------------------------------
     def reset_stats_window(self) -> None:

@@ -67,14 +67,16 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         (out,) = await final_outputs(streams)
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
-    c = out.outputs[0]
-    lps = None
-    if body.logprobs and c.logprobs is not None:
-        lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+    choices = []
+    for c in out.outputs:
+        lps = None
+        if body.logprobs and c.logprobs is not None:
+            lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+        choices.append(ChatChoice(c.index, ChatMessage("assistant", c.text), lps,
+                                  finish_reason=c.finish_reason))
     resp = ChatCompletion(
-        rid, now_s(), ctx.model_name,
-        [ChatChoice(0, ChatMessage("assistant", c.text), lps, finish_reason=c.finish_reason)],
-        Usage.of(len(out.prompt_token_ids), len(c.token_ids)))
+        rid, now_s(), ctx.model_name, choices,
+        Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)))
     return Response(encode(resp), media_type="application/json")
 
 
@@ -83,26 +85,36 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
     created, usage_on = now_s(), body.include_usage
     usage = None if usage_on else UNSET
 
-    def chunk(delta: ChatDelta, finish: str | None, lps: ChatLogprobs | None = None) -> bytes:
-        return sse(ChatCompletionChunk(rid, created, ctx.model_name,
-                                       [ChatChunkChoice(0, delta, lps, finish_reason=finish)],
-                                       usage=usage))
+    def chunk(index: int, delta: ChatDelta, finish: str | None,
+              lps: ChatLogprobs | None = None) -> bytes:
+        return sse(ChatCompletionChunk(
+            rid, created, ctx.model_name,
+            [ChatChunkChoice(index, delta, lps, finish_reason=finish)], usage=usage))
 
-    sent, n_prompt, n_gen = 0, 0, 0
+    n = body.n
+    sent, n_gen, done = [0] * n, [0] * n, [False] * n
+    n_prompt = 0
     try:
-        yield chunk(ChatDelta(role="assistant", content=""), None)
+        for i in range(n):
+            yield chunk(i, ChatDelta(role="assistant", content=""), None)
         async for out in stream:
-            c = out.outputs[0]
-            text, sent = c.text[sent:], len(c.text)
-            lps = None
-            if body.logprobs and c.logprobs is not None:
-                lps = chat_logprobs(c.token_ids[n_gen:], c.logprobs[n_gen:],
-                                    body.top_logprobs or 0)
-            n_prompt, n_gen = len(out.prompt_token_ids), len(c.token_ids)
-            yield chunk(ChatDelta(content=text), c.finish_reason, lps)
+            n_prompt = len(out.prompt_token_ids)
+            for c in out.outputs:
+                i = c.index
+                # With n > 1 each output holds every completion: send only what moved.
+                if done[i] or (len(c.token_ids) == n_gen[i] and c.finish_reason is None):
+                    continue
+                text, sent[i] = c.text[sent[i]:], len(c.text)
+                lps = None
+                if body.logprobs and c.logprobs is not None:
+                    lps = chat_logprobs(c.token_ids[n_gen[i]:], c.logprobs[n_gen[i]:],
+                                        body.top_logprobs or 0)
+                n_gen[i] = len(c.token_ids)
+                done[i] = c.finish_reason is not None
+                yield chunk(i, ChatDelta(content=text), c.finish_reason, lps)
         if usage_on:
             yield sse(ChatCompletionChunk(rid, created, ctx.model_name, [],
-                                          usage=Usage.of(n_prompt, n_gen)))
+                                          usage=Usage.of(n_prompt, sum(n_gen))))
     except EngineDeadError as exc:
         err = engine_dead_error(exc)
         yield sse(ErrorBody(ErrorInfo(err.message, err.type, None, err.code)))

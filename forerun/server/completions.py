@@ -1,4 +1,4 @@
-"""``POST /v1/completions``: one choice per prompt, streamed or whole."""
+"""``POST /v1/completions``: ``n`` choices per prompt, streamed or whole."""
 
 from __future__ import annotations
 
@@ -61,18 +61,20 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest) -> Res
         raise engine_dead_error(exc) from None
     choices, n_prompt, n_gen = [], 0, 0
     for i, out in enumerate(outs):
-        c = out.outputs[0]
-        text = c.text
-        prefix = len(text)
-        if body.echo:
-            text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
-        lps = None
-        if body.logprobs is not None and c.logprobs is not None:
-            lps = completion_logprobs(c.token_ids, c.logprobs, body.logprobs,
-                                      len(text) - prefix)
-        choices.append(CompletionChoice(i, text, lps, finish_reason=c.finish_reason))
+        for c in out.outputs:
+            text = c.text
+            prefix = len(text)
+            if body.echo:
+                text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
+            lps = None
+            if body.logprobs is not None and c.logprobs is not None:
+                lps = completion_logprobs(c.token_ids, c.logprobs, body.logprobs,
+                                          len(text) - prefix)
+            # Choices of prompt i are i * n + index, as in OpenAI and vLLM.
+            choices.append(CompletionChoice(i * body.n + c.index, text, lps,
+                                            finish_reason=c.finish_reason))
+            n_gen += len(c.token_ids)
         n_prompt += len(out.prompt_token_ids)
-        n_gen += len(c.token_ids)
     resp = Completion(rid, now_s(), ctx.model_name, choices, usage=Usage.of(n_prompt, n_gen))
     return Response(encode(resp), media_type="application/json")
 
@@ -80,28 +82,36 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest) -> Res
 async def _stream(ctx: ServingContext, body: CompletionRequest, rid: str,
                   streams: list[RequestStream]) -> AsyncIterator[bytes]:
     created, usage_on = now_s(), body.include_usage
-    sent = [0] * len(streams)
-    n_prompt, n_gen = [0] * len(streams), [0] * len(streams)
-    offset = [0] * len(streams)  # text offset of the next token, for logprobs
+    num_choices = len(streams) * body.n  # choice j = prompt j // n, completion j % n
+    sent = [0] * num_choices
+    n_prompt, n_gen = [0] * len(streams), [0] * num_choices
+    offset = [0] * num_choices  # text offset of the next token, for logprobs
+    done = [False] * num_choices
     try:
         async for i, out in merge_streams(streams):
-            c = out.outputs[0]
-            text = c.text[sent[i]:]
-            if body.echo and sent[i] == 0 and n_gen[i] == 0:
-                text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
-                offset[i] = len(text) - len(c.text)
-            lps = None
-            if body.logprobs is not None and c.logprobs is not None:
-                k = n_gen[i]
-                lps = completion_logprobs(c.token_ids[k:], c.logprobs[k:], body.logprobs,
-                                          offset[i])
-                offset[i] += sum(len(t) for t in lps.tokens)
-            sent[i] = len(c.text)
-            n_prompt[i], n_gen[i] = len(out.prompt_token_ids), len(c.token_ids)
-            chunk = Completion(rid, created, ctx.model_name,
-                               [CompletionChoice(i, text, lps, finish_reason=c.finish_reason)],
-                               usage=None if usage_on else UNSET)
-            yield sse(chunk)
+            n_prompt[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                j = i * body.n + c.index
+                # With n > 1 each output holds every completion: send only what moved.
+                if done[j] or (len(c.token_ids) == n_gen[j] and c.finish_reason is None):
+                    continue
+                text = c.text[sent[j]:]
+                if body.echo and sent[j] == 0 and n_gen[j] == 0:
+                    text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
+                    offset[j] = len(text) - len(c.text)
+                lps = None
+                if body.logprobs is not None and c.logprobs is not None:
+                    k = n_gen[j]
+                    lps = completion_logprobs(c.token_ids[k:], c.logprobs[k:], body.logprobs,
+                                              offset[j])
+                    offset[j] += sum(len(t) for t in lps.tokens)
+                sent[j], n_gen[j] = len(c.text), len(c.token_ids)
+                done[j] = c.finish_reason is not None
+                chunk = Completion(
+                    rid, created, ctx.model_name,
+                    [CompletionChoice(j, text, lps, finish_reason=c.finish_reason)],
+                    usage=None if usage_on else UNSET)
+                yield sse(chunk)
         if usage_on:
             yield sse(Completion(rid, created, ctx.model_name, [],
                                  usage=Usage.of(sum(n_prompt), sum(n_gen))))
