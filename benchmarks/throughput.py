@@ -26,6 +26,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -316,8 +317,11 @@ def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--warmup-output-len", str(args.warmup_output_len), "--repeats", str(args.repeats),
            "--dtype", args.dtype, "--seed", str(args.seed)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    row = json.loads(out.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        # vLLM logs to stdout too: take the result from a file.
+        out = Path(tmp) / "vllm.json"
+        subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, check=True)
+        row = json.loads(out.read_text())
     print(f"  vLLM CPU (sync): {row['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return {"tok_s": row["tok_s"], "tok_s_all": row["tok_s_all"], "wall_s": row["wall_s"][0]}
 
