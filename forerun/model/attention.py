@@ -54,6 +54,9 @@ class AttentionMetadata:
     num_decodes: int = 0
     # [B_dec, 1, 1, max_ctx] True where a padded slot is real context; None if nothing is padded.
     decode_mask: torch.Tensor | None = None
+    # Rows of the [num_slots * KVH, D] cache view in (sequence, head, position) order, so the
+    # gathered K/V is already [B_dec, KVH, max_ctx, D]; built by the first layer.
+    decode_head_rows: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @classmethod
@@ -131,10 +134,10 @@ def write_kv(
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
-def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of a ``[num_slots, KVH * D]`` cache view; index_select is several times faster
-    than advanced indexing on CPU for this shape."""
-    return flat.index_select(0, slots)
+def _gather(flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a 2-D cache view (per slot, or per slot and head); index_select is several
+    times faster than advanced indexing on CPU for these shapes."""
+    return flat.index_select(0, rows)
 
 
 def _decode_attention(
@@ -149,8 +152,13 @@ def _decode_attention(
     # With one query token, the G query heads that share a KV head can act as G query rows
     # of that KV head: no K/V expansion and no GQA support needed from the kernel.
     qg = q.view(b, kvh, num_heads // kvh, d)
-    k = _gather(k_flat, meta.decode_slots).view(b, ctx, kvh, d).transpose(1, 2)
-    v = _gather(v_flat, meta.decode_slots).view(b, ctx, kvh, d).transpose(1, 2)
+    if meta.decode_head_rows is None:
+        heads = torch.arange(kvh, device=q.device).view(1, kvh, 1)
+        meta.decode_head_rows = (meta.decode_slots.view(b, 1, ctx) * kvh + heads).reshape(-1)
+    # Gathering per (slot, head) row yields K/V already in [B, KVH, ctx, D] order: no
+    # transpose copy before the matmuls (about 5x faster than gather-then-transpose).
+    k = _gather(k_flat.view(-1, d), meta.decode_head_rows).view(b, kvh, ctx, d)
+    v = _gather(v_flat.view(-1, d), meta.decode_head_rows).view(b, kvh, ctx, d)
     if q.device.type != "cpu":
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)
         return out.view(b, num_heads, d)
