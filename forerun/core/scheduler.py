@@ -120,12 +120,6 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.has_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
-
     # ----- schedule ---------------------------------------------------------------------
     def _is_output_surely_done(self, request: Request) -> bool:
         """True when the steps in flight will already take the request to its end.
@@ -480,7 +474,3 @@ class Scheduler:
         if self.structured_output_manager is None:
             return None
         return self.structured_output_manager.grammar_bitmask(scheduler_output, self.requests)
-
-    # ----- introspection ----------------------------------------------------------------
-    def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)

@@ -192,11 +192,3 @@ class EngineCore:
             shutdown()
         if self.scheduler.structured_output_manager is not None:
             self.scheduler.structured_output_manager.shutdown()
-
-    def drain(self) -> list[EngineCoreOutput]:
-        """Process every step still in flight (used at shutdown and in tests)."""
-        outputs: list[EngineCoreOutput] = []
-        while self.batch_queue:
-            future, so = self.batch_queue.popleft()
-            outputs.extend(self._update(so, future.result()))
-        return outputs

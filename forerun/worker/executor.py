@@ -46,9 +46,5 @@ class Executor:
     def sample_tokens(self, grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
         return _ResolvedFuture(self._pool.submit(self.runner.sample_tokens, grammar_bitmask))
 
-    def collective_rpc(self, fn: Callable[[ModelRunner], Any]) -> Any:
-        """Run ``fn(runner)`` on the worker thread after everything queued before it."""
-        return self._pool.submit(fn, self.runner).result()
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
