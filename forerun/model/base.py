@@ -41,6 +41,13 @@ class CausalLM(nn.Module):
         """float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
         raise NotImplementedError
 
+    def prepack(self) -> int:
+        """Put linear weights into the CPU matmul library's layout once; returns how many.
+
+        Called after the weights are loaded, only where ``prepack_supported`` says so.
+        """
+        return 0
+
     def packed_shards(self) -> dict[str, Shard]:
         """Checkpoint module name (e.g. ``q_proj``) -> where it lives in a fused parameter."""
         return {}

@@ -9,6 +9,7 @@ from forerun.model.attention import AttentionMetadata, KVCache, paged_attention
 from forerun.model.base import CausalLM, Shard
 from forerun.model.config import ModelConfig
 from forerun.model.layers import GatedMLP, RMSNorm
+from forerun.model.packed_linear import PackedLinear, prepack_linears
 from forerun.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -106,6 +107,9 @@ class LlamaForCausalLM(CausalLM):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # The tied output projection in oneDNN's layout, next to the embedding it shares
+        # values with (the embedding lookup needs the plain rows); set by ``prepack``.
+        self.packed_tied_head: PackedLinear | None = None
         self.requires_grad_(False)
 
     def packed_shards(self) -> dict[str, Shard]:
@@ -140,5 +144,15 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.packed_tied_head is not None:
+            return self.packed_tied_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return (hidden @ self.model.embed_tokens.weight.t()).float()
+
+    def prepack(self) -> int:
+        n = prepack_linears(self)
+        if self.lm_head is None:
+            self.packed_tied_head = PackedLinear(self.model.embed_tokens.weight, None)
+            n += 1
+        return n

@@ -17,6 +17,7 @@ from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
 from forerun.model.gguf_file import gguf_chat_template, gguf_hf_config, gguf_weights, open_gguf
+from forerun.model.packed_linear import prepack_supported
 from forerun.model.registry import get_model_class
 from forerun.model.safetensors_weights import (
     count_tensors,
@@ -109,6 +110,8 @@ def load_model(
         if entry is not None:
             entry.save_weights(model)
     model.eval()
+    if prepack_supported(dtype, device):
+        logger.info("%d linear weights reordered for oneDNN", model.prepack())
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s",
         source.name, config.architecture, config.num_hidden_layers, dtype, device,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forerun.model.attention import AttentionMetadata, KVCache
+from forerun.model.attention import AttentionMetadata, KVCache, kv_cache_shape
 from forerun.model.base import CausalLM
 
 
@@ -32,7 +32,7 @@ class PagedDriver:
         self.model = model
         self.block_size = block_size
         self.device = param.device
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches: list[KVCache] = [
             (
                 torch.zeros(shape, dtype=param.dtype, device=self.device),
