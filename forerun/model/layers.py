@@ -1,10 +1,20 @@
-"""Small building blocks shared by the decoder models: RMSNorm and the gated SiLU MLP."""
+"""Small building blocks shared by the decoder models: RMSNorm and the gated SiLU MLP.
+
+On CPU in float32/bfloat16 both run as fused C kernels (forerun/model/cpu_kernels.py)
+where those could be built; the torch code below is the same function, used elsewhere.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from forerun.model import cpu_kernels
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and cpu_kernels.supports(x.dtype, x.device)
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +26,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_kernels(x) and x.is_contiguous() and x.dtype == self.weight.dtype:
+            out = x.clone()
+            cpu_kernels.rms_norm_(out, self.weight, self.eps)
+            return out
+        return self._forward_torch(x)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; may reuse both inputs' storage."""
+        if (_use_kernels(x) and x.is_contiguous() and residual.is_contiguous()
+                and x.dtype == residual.dtype == self.weight.dtype):
+            cpu_kernels.rms_norm_(x, self.weight, self.eps, residual)
+            return x, residual
+        residual = x + residual
+        return self._forward_torch(residual), residual
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as the reference implementation so float32 matches bitwise
         # closely: normalise in float32, cast back, then scale.
         dtype = x.dtype
@@ -34,5 +62,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _use_kernels(gate_up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

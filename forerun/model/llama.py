@@ -10,7 +10,7 @@ from forerun.model.base import CausalLM, Shard
 from forerun.model.config import ModelConfig
 from forerun.model.layers import GatedMLP, RMSNorm
 from forerun.model.packed_linear import PackedLinear, prepack_linears
-from forerun.model.rotary import RotaryEmbedding, apply_rotary
+from forerun.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary
 
 
 class DecoderAttention(nn.Module):
@@ -34,8 +34,7 @@ class DecoderAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: RotaryTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -47,8 +46,8 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = apply_rotary(q, rotary)
+        k = apply_rotary(k, rotary)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 
@@ -66,13 +65,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous layer's output before its residual add (which is fused
+        into this layer's first norm); returns this layer's output and the residual."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h = self.self_attn(h, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -138,10 +145,13 @@ class LlamaForCausalLM(CausalLM):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        rotary = self.rotary.tables(positions)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rotary, kv_cache, attn_metadata)
+        if residual is None:  # a model without layers
+            return self.model.norm(x)
+        return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_tied_head is not None:

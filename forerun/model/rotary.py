@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from forerun.model import cpu_kernels
 from forerun.model.errors import ModelLoadError
 
 
@@ -41,6 +43,24 @@ def compute_inv_freq(
     raise ModelLoadError(f"unsupported rope scaling type {rope_type!r}")
 
 
+@dataclass(slots=True)
+class RotaryTables:
+    """One step's rotation angles, in the two forms the two implementations want."""
+
+    # [T, head_dim / 2] float32: the C kernel rotates in float32.
+    cos_half: torch.Tensor
+    sin_half: torch.Tensor
+    # [T, 1, head_dim] in the model dtype, built on first use by the torch path.
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def full(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.sin is None or self.cos.dtype != dtype:
+            self.cos = torch.cat((self.cos_half, self.cos_half), dim=-1)[:, None, :].to(dtype)
+            self.sin = torch.cat((self.sin_half, self.sin_half), dim=-1)[:, None, :].to(dtype)
+        return self.cos, self.sin
+
+
 class RotaryEmbedding:
     """Produces per-token cos/sin tables; one instance per model, applied in every layer.
 
@@ -60,18 +80,23 @@ class RotaryEmbedding:
             self._inv_freq[device] = inv
         return inv
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, each ``[T, 1, head_dim]`` in ``dtype``, for positions ``[T]``."""
+    def tables(self, positions: torch.Tensor) -> RotaryTables:
+        """The angles for positions ``[T]``."""
         # Angles in float32 regardless of the model dtype: bf16 positions lose precision fast.
         freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return RotaryTables(freqs.cos(), freqs.sin())
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[T, heads, head_dim]`` by the per-token angles."""
+def apply_rotary(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[T, heads, head_dim]`` by the per-token angles.
+
+    May rotate ``x`` in place (the C kernel does, for heads contiguous within a row).
+    """
+    if (x.device.type == "cpu" and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+            and cpu_kernels.supports(x.dtype, x.device)):
+        cpu_kernels.rotary_(x, tables.cos_half, tables.sin_half)
+        return x
+    cos, sin = tables.full(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

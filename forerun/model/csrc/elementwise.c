@@ -1,0 +1,139 @@
+/* Fused per-token elementwise kernels of the decoder layer (CPU): residual add + RMSNorm,
+ * SiLU-and-multiply, rotary embedding.
+ *
+ * Each replaces a chain of torch ops that would each read and write the whole activation
+ * (and, in bf16, convert it to float32 and back) with one pass over it, computed in
+ * float32 and rounded to the storage type once. Numerics follow Hugging Face's layers:
+ * RMSNorm normalises in float32, rounds, then scales by the weight.
+ * Built and loaded by forerun/model/cpu_kernels.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float ld(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* nearest even, like torch */
+}
+
+INLINE void st(void *p, int64_t i, float x, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
+/* What storing x in the tensor's dtype and reading it back gives. */
+INLINE float round_to(float x, int bf16) {
+    if (!bf16) return x;
+    uint32_t u = (uint32_t)to_bf16(x) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE void add_rms_norm_rows(void *x, void *residual, const void *weight, int64_t rows,
+                              int64_t dim, float eps, int bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t base = r * dim;
+        float ss = 0.f;
+        if (residual) {
+            for (int64_t i = 0; i < dim; ++i) {
+                const float h = round_to(ld(x, base + i, bf16) + ld(residual, base + i, bf16), bf16);
+                st(residual, base + i, h, bf16);
+                ss += h * h;
+            }
+        } else {
+            for (int64_t i = 0; i < dim; ++i) {
+                const float h = ld(x, base + i, bf16);
+                ss += h * h;
+            }
+        }
+        const void *src = residual ? residual : x;
+        const float rstd = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int64_t i = 0; i < dim; ++i) {
+            const float n = round_to(ld(src, base + i, bf16) * rstd, bf16);
+            st(x, base + i, ld(weight, i, bf16) * n, bf16);
+        }
+    }
+}
+
+/* In place: with residual, residual <- x + residual and x <- norm(residual) * weight;
+ * without, x <- norm(x) * weight. */
+int rms_norm_f32(float *x, float *residual, const float *weight, int64_t rows, int64_t dim,
+                 float eps) {
+    add_rms_norm_rows(x, residual, weight, rows, dim, eps, 0);
+    return 0;
+}
+
+int rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *weight, int64_t rows,
+                  int64_t dim, float eps) {
+    add_rms_norm_rows(x, residual, weight, rows, dim, eps, 1);
+    return 0;
+}
+
+INLINE void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t in = r * 2 * d, o = r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+            const float g = ld(gate_up, in + i, bf16), u = ld(gate_up, in + d + i, bf16);
+            st(out, o + i, g / (1.f + expf(-g)) * u, bf16);
+        }
+    }
+}
+
+/* out[r, :] = silu(gate_up[r, :d]) * gate_up[r, d:] */
+int silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t d) {
+    silu_and_mul_rows(gate_up, out, rows, d, 0);
+    return 0;
+}
+
+int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t d) {
+    silu_and_mul_rows(gate_up, out, rows, d, 1);
+    return 0;
+}
+
+INLINE void rotary_rows(void *x, int64_t tokens, int64_t heads, int64_t row_stride,
+                        int64_t head_dim, const float *cos, const float *sin, int bf16) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t base = t * row_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = ld(x, base + i, bf16), b = ld(x, base + half + i, bf16);
+                st(x, base + i, a * c[i] - b * s[i], bf16);
+                st(x, base + half + i, b * c[i] + a * s[i], bf16);
+            }
+        }
+    }
+}
+
+/* In place, Hugging Face's rotate_half layout: x[t, h] (heads of head_dim contiguous,
+ * tokens row_stride elements apart) rotated by the float32 angles cos/sin[t, head_dim / 2]. */
+int rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t row_stride, int64_t head_dim,
+               const float *cos, const float *sin) {
+    rotary_rows(x, tokens, heads, row_stride, head_dim, cos, sin, 0);
+    return 0;
+}
+
+int rotary_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t row_stride,
+                int64_t head_dim, const float *cos, const float *sin) {
+    rotary_rows(x, tokens, heads, row_stride, head_dim, cos, sin, 1);
+    return 0;
+}

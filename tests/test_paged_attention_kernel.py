@@ -1,0 +1,155 @@
+"""Paged attention on CPU: the C kernels and the pure-torch path against a float64 oracle.
+
+Each case is a mixed step: decodes, prompts starting at position 0 and prefill chunks with
+earlier context, over scrambled non-contiguous blocks. The oracle walks every token's
+visible positions one by one (block table -> block, offset; the step's own new K/V for the
+positions it writes) and runs textbook softmax attention in float64, so it shares no code
+or layout trick with either implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from forerun.model import attention, cpu_kernels
+from forerun.model.attention import AttentionMetadata, kv_cache_shape, paged_attention
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.kernel_library() is None, reason="no C compiler: the kernels cannot be built"
+)
+CPU = torch.device("cpu")
+
+
+class Step:
+    """A random step: cache with earlier context filled in, the step's new q/k/v rows."""
+
+    def __init__(self, seed: int, seqs: list[tuple[int, int]], heads: int, kv_heads: int,
+                 block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.seqs, self.block_size, self.heads = seqs, block_size, heads
+        num_blocks = sum(-(-(c + q) // block_size) for c, q in seqs) + 4
+        shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen).to(dtype)
+        self.v_cache = torch.randn(shape, generator=gen).to(dtype)
+        free = torch.randperm(num_blocks, generator=gen).tolist()
+        width = max(-(-(c + q) // block_size) for c, q in seqs) + 1
+        self.tables = torch.zeros(len(seqs), width, dtype=torch.long)
+        slots, qsl, seq_lens = [], [0], []
+        for i, (ctx, q_len) in enumerate(seqs):
+            for j in range(-(-(ctx + q_len) // block_size)):
+                self.tables[i, j] = free.pop()
+            slots += [self.slot(i, p) for p in range(ctx, ctx + q_len)]
+            qsl.append(qsl[-1] + q_len)
+            seq_lens.append(ctx + q_len)
+        t = qsl[-1]
+        # q/k/v as views into one fused row, the way the model's qkv split hands them over.
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        self.q = q.view(t, heads, head_dim)
+        self.k = k.view(t, kv_heads, head_dim)
+        self.v = v.view(t, kv_heads, head_dim)
+        self.meta = AttentionMetadata.build(qsl, seq_lens, self.tables, torch.tensor(slots),
+                                            block_size, CPU)
+        self.qsl = qsl
+
+    def slot(self, i: int, pos: int) -> int:
+        return int(self.tables[i, pos // self.block_size]) * self.block_size + pos % self.block_size
+
+    def run(self) -> torch.Tensor:
+        kc, vc = self.k_cache.clone(), self.v_cache.clone()
+        scale = 1 / math.sqrt(self.q.shape[-1])
+        return paged_attention(self.q, self.k, self.v, kc, vc, self.meta, scale)
+
+    def oracle(self) -> torch.Tensor:
+        heads, d = self.heads, self.q.shape[-1]
+        kv_heads = self.k.shape[1]
+        out = torch.empty(self.q.shape[0], heads * d, dtype=torch.float64)
+        for i, (ctx, q_len) in enumerate(self.seqs):
+            def key_val(pos: int, kvh: int, i: int = i, ctx: int = ctx) -> tuple:
+                if pos >= ctx:  # written by this step
+                    row = self.qsl[i] + pos - ctx
+                    return self.k[row, kvh], self.v[row, kvh]
+                blk, off = divmod(self.slot(i, pos), self.block_size)
+                return self.k_cache[blk, kvh, off], self.v_cache[blk, kvh, off]
+            for j in range(q_len):
+                row, pos = self.qsl[i] + j, ctx + j
+                for h in range(heads):
+                    kvh = h // (heads // kv_heads)
+                    kv = [key_val(p, kvh) for p in range(pos + 1)]
+                    keys = torch.stack([kk for kk, _ in kv]).double()
+                    vals = torch.stack([vv for _, vv in kv]).double()
+                    probs = torch.softmax(keys @ self.q[row, h].double() / math.sqrt(d), 0)
+                    out[row, h * d:(h + 1) * d] = probs @ vals
+        return out
+
+
+CASES = [
+    # (context, new tokens) per sequence, heads, kv_heads, block_size, head_dim
+    ([(0, 1), (4, 1), (15, 1), (16, 1), (32, 1)], 9, 3, 16, 64),  # decodes; SmolLM2's heads
+    ([(0, 7), (5, 1), (9, 6), (0, 1)], 4, 2, 4, 32),  # prompt, decode, chunk, 1-token prompt
+    ([(39, 1), (0, 12), (3, 5)], 4, 4, 8, 16),  # no GQA
+    ([(20, 20), (63, 1)], 6, 1, 16, 64),  # one kv head for all; chunk across blocks
+]
+
+
+def _force_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention.cpu_kernels, "supports", lambda dtype, device: False)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_paged_attention_matches_float64_oracle(case: int, dtype: torch.dtype) -> None:
+    step = Step(case, *CASES[case], dtype)
+    got = step.run()
+    assert got.dtype == dtype and got.shape == (step.q.shape[0], step.q.shape[1] * step.q.shape[2])
+    # float32: summation order only; bfloat16: one rounding of the output.
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), step.oracle(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_torch_paged_attention_matches_float64_oracle(
+    case: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _force_torch_path(monkeypatch)
+    step = Step(case, *CASES[case], torch.float32)
+    torch.testing.assert_close(step.run().double(), step.oracle(), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_cache_write_stores_what_the_torch_write_stores(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = Step(5, [(3, 4), (0, 9), (17, 1)], 4, 2, 8, 16, dtype)
+    kc, vc = step.k_cache.clone(), step.v_cache.clone()
+    cpu_kernels.kv_cache_write(step.k, step.v, step.meta.slot_mapping, kc, vc)
+    kt, vt = step.k_cache.clone(), step.v_cache.clone()
+    attention.write_kv(step.k, step.v, kt, vt, step.meta)
+    assert torch.equal(kc, kt) and torch.equal(vc, vt)
+    assert not torch.equal(kc, step.k_cache)  # something was written
+
+
+@needs_kernels
+def test_c_attention_reads_only_each_tokens_visible_positions() -> None:
+    # Poison every cache position no token may see: blocks nobody owns, and the positions
+    # past each sequence's end. A kernel reading past a token's causal limit, or through a
+    # padded table entry, would produce NaN.
+    step = Step(7, [(5, 1), (0, 16), (12, 8)], 4, 2, 8, 32, torch.float32)
+    owned = {int(step.tables[i, j]) for i, (c, q) in enumerate(step.seqs)
+             for j in range(-(-(c + q) // 8))}
+    for blk in set(range(step.k_cache.shape[0])) - owned:
+        step.k_cache[blk] = float("nan")
+        step.v_cache[blk] = float("nan")
+    for i, (c, q) in enumerate(step.seqs):
+        end = c + q
+        last = int(step.tables[i, (end - 1) // 8])
+        step.k_cache[last, :, end % 8 or 8:] = float("nan")
+        step.v_cache[last, :, end % 8 or 8:] = float("nan")
+    got = step.run()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), step.oracle(), atol=1e-5, rtol=1e-5)
