@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from forerun.model import attention, cpu_kernels
-from forerun.model.attention import AttentionMetadata, kv_cache_shape, paged_attention
+from forerun.model.attention import AttentionMetadata, new_kv_cache, paged_attention
 
 needs_kernels = pytest.mark.skipif(
     cpu_kernels.kernel_library() is None, reason="no C compiler: the kernels cannot be built"
@@ -31,9 +31,9 @@ class Step:
         gen = torch.Generator().manual_seed(seed)
         self.seqs, self.block_size, self.heads = seqs, block_size, heads
         num_blocks = sum(-(-(c + q) // block_size) for c, q in seqs) + 4
-        shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
-        self.k_cache = torch.randn(shape, generator=gen).to(dtype)
-        self.v_cache = torch.randn(shape, generator=gen).to(dtype)
+        k_cache, v_cache = new_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype, CPU)
+        self.k_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+        self.v_cache = torch.randn(v_cache.shape, generator=gen).to(dtype)
         free = torch.randperm(num_blocks, generator=gen).tolist()
         width = max(-(-(c + q) // block_size) for c, q in seqs) + 1
         self.tables = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -73,7 +73,7 @@ class Step:
                     row = self.qsl[i] + pos - ctx
                     return self.k[row, kvh], self.v[row, kvh]
                 blk, off = divmod(self.slot(i, pos), self.block_size)
-                return self.k_cache[blk, kvh, off], self.v_cache[blk, kvh, off]
+                return self.k_cache[blk, kvh, :, off], self.v_cache[blk, kvh, off]
             for j in range(q_len):
                 row, pos = self.qsl[i] + j, ctx + j
                 for h in range(heads):
@@ -148,7 +148,7 @@ def test_c_attention_reads_only_each_tokens_visible_positions() -> None:
     for i, (c, q) in enumerate(step.seqs):
         end = c + q
         last = int(step.tables[i, (end - 1) // 8])
-        step.k_cache[last, :, end % 8 or 8:] = float("nan")
+        step.k_cache[last, :, :, end % 8 or 8:] = float("nan")
         step.v_cache[last, :, end % 8 or 8:] = float("nan")
     got = step.run()
     assert not got.isnan().any()

@@ -169,7 +169,7 @@ def _check_rows(x: torch.Tensor) -> None:
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Store ``k``/``v`` ``[T, KVH, D]`` in the cache slots ``slot_mapping`` ``[T]`` int64;
-    caches ``[num_blocks, KVH, block_size, D]``."""
+    caches as :func:`forerun.model.attention.new_kv_cache` lays them out."""
     _check_rows(k)
     _check_rows(v)
     assert k.stride(0) == v.stride(0) and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -177,7 +177,7 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     t, kvh, d = k.shape
     _fn("kv_cache_write", k.dtype)(k.data_ptr(), v.data_ptr(), k.stride(0),
                                    slot_mapping.data_ptr(), k_cache.data_ptr(),
-                                   v_cache.data_ptr(), t, kvh, k_cache.shape[2], d)
+                                   v_cache.data_ptr(), t, kvh, v_cache.shape[2], d)
 
 
 def paged_attention(
@@ -187,14 +187,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context.
 
-    ``q`` ``[T, H, D]`` (heads contiguous within a row); caches
-    ``[num_blocks, KVH, block_size, D]``; ``block_tables`` ``[S, W]`` int64; for each token,
+    ``q`` ``[T, H, D]`` (heads contiguous within a row); caches as
+    :func:`forerun.model.attention.new_kv_cache` lays them out; ``block_tables`` ``[S, W]`` int64; for each token,
     ``token_seq`` ``[T]`` is its row in ``block_tables`` and ``token_len`` ``[T]`` the number
     of context positions it attends to (its position + 1). Returns ``[T, H, D]`` contiguous.
     """
     _check_rows(q)
     t, num_heads, d = q.shape
-    _, kvh, bs, _ = k_cache.shape
+    _, kvh, bs, _ = v_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forerun.model.attention import AttentionMetadata, KVCache, kv_cache_shape
+from forerun.model.attention import AttentionMetadata, KVCache, new_kv_cache
 from forerun.model.base import CausalLM
 
 
@@ -32,12 +32,9 @@ class PagedDriver:
         self.model = model
         self.block_size = block_size
         self.device = param.device
-        shape = kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches: list[KVCache] = [
-            (
-                torch.zeros(shape, dtype=param.dtype, device=self.device),
-                torch.zeros(shape, dtype=param.dtype, device=self.device),
-            )
+            new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                         param.dtype, self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self._free = list(range(num_blocks))

@@ -15,7 +15,7 @@ from forerun.core.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from forerun.model.attention import AttentionMetadata, kv_cache_shape
+from forerun.model.attention import AttentionMetadata, new_kv_cache
 from forerun.sampling_params import SamplingType
 from forerun.trace import WORKER_LANE, Tracer
 from forerun.worker.request_state import CachedRequestState
@@ -118,10 +118,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.tracer = tracer or Tracer()
-        shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
             for _ in range(num_layers)
         ]
         self.requests: dict[str, CachedRequestState] = {}

@@ -9,7 +9,10 @@
  * walks its blocks once for the scores and once for the values, in float32, with the G
  * query heads that share the kv head handled together, spread over the OpenMP threads.
  *
- * Cache layout (forerun/model/attention.py): [num_blocks, kv_heads, block_size, head_dim].
+ * Cache layout (forerun/model/attention.py): V is [num_blocks, kv_heads, block_size, head_dim];
+ * K is [num_blocks, kv_heads, head_dim, block_size], each block's keys stored dimension-major,
+ * so the scores of a whole block are vertical multiply-adds over the head dimension (one
+ * vector lane per key) instead of one horizontal reduction per key and query head.
  * Built by forerun/model/cpu_kernels.py with the system C compiler; loaded through ctypes.
  */
 #include <float.h>
@@ -19,6 +22,45 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2 /* how far ahead the context walk asks for the next blocks */
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 consecutive values as float32 lanes. */
+INLINE __m512 load16(const char *p, int is_bf16) {
+    if (is_bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* Scores of one 16-key block for G query rows: out[g * 16 + i] = q_g . key_i, the keys
+ * stored dimension-major (kb[d * 16 + i]); up to four query rows share each key load. */
+INLINE void score_block16(const char *kb, const float *qf, int64_t G, int64_t D, int is_bf16,
+                          float *out) {
+    const size_t esz = is_bf16 ? 2 : 4;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+        const float *q0 = qf + g0 * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; ++d) {
+            const __m512 k = load16(kb + (size_t)d * 16 * esz, is_bf16);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k, a0);
+            if (gn > 1) a1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), k, a1);
+            if (gn > 2) a2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), k, a2);
+            if (gn > 3) a3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), k, a3);
+        }
+        _mm512_storeu_ps(out + g0 * 16, a0);
+        if (gn > 1) _mm512_storeu_ps(out + (g0 + 1) * 16, a1);
+        if (gn > 2) _mm512_storeu_ps(out + (g0 + 2) * 16, a2);
+        if (gn > 3) _mm512_storeu_ps(out + (g0 + 3) * 16, a3);
+    }
+}
+#endif
 
 INLINE void load_row(const void *src, int is_bf16, int64_t i, int64_t D, float *dst) {
     if (is_bf16) {
@@ -53,7 +95,7 @@ INLINE void store_row(void *dst, int is_bf16, int64_t i, int64_t D, const float 
 INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                    const int64_t *table, void *out, int64_t b, int64_t h, int64_t L, int64_t H,
                    int64_t KVH, int64_t BS, int64_t D, int64_t G, float scale, int is_bf16,
-                   float *qf, float *acc, float *row, float *scores) {
+                   float *qf, float *acc, float *row, float *scores, float *blockscores) {
     const size_t esz = is_bf16 ? 2 : 4;
     const char *qrow = (const char *)q + b * q_stride * esz;
     for (int64_t g = 0; g < G; ++g) {
@@ -61,18 +103,36 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
     }
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const char *blk = (const char *)k_cache + (table[t0 / BS] * KVH + h) * BS * D * esz;
-        const int64_t n = L - t0 < BS ? L - t0 : BS;
-        for (int64_t i = 0; i < n; ++i) {
-            load_row(blk, is_bf16, i, D, row);
-            for (int64_t g = 0; g < G; ++g) {
-                const float *qg = qf + g * D;
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-                scores[g * L + t0 + i] = s;
+        const char *kb = (const char *)k_cache + (table[t0 / BS] * KVH + h) * BS * D * esz;
+        if (t0 + PREFETCH_BLOCKS * BS < L) { /* a block further on: its keys and values */
+            const size_t ahead = (size_t)(table[t0 / BS + PREFETCH_BLOCKS] * KVH + h) * BS * D * esz;
+            for (int64_t c = 0; c < BS * D * (int64_t)esz; c += 64) {
+                __builtin_prefetch((const char *)k_cache + ahead + c);
+                __builtin_prefetch((const char *)v_cache + ahead + c);
             }
         }
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+#if defined(__AVX512F__)
+        if (BS == 16) {
+            score_block16(kb, qf, G, D, is_bf16, blockscores);
+            for (int64_t g = 0; g < G; ++g)
+                memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t i = 0; i < BS; ++i) blockscores[g * BS + i] = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+            load_row(kb, is_bf16, d, BS, row); /* key dimension d of the block's BS keys */
+            for (int64_t g = 0; g < G; ++g) {
+                const float qd = qf[g * D + d];
+                float *bs = blockscores + g * BS;
+#pragma omp simd
+                for (int64_t i = 0; i < BS; ++i) bs[i] += qd * row[i];
+            }
+        }
+        for (int64_t g = 0; g < G; ++g)
+            memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
     }
     for (int64_t g = 0; g < G; ++g) {
         float *sg = scores + g * L, m = -FLT_MAX, sum = 0.f;
@@ -103,9 +163,9 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
 }
 
 /* Constant head_dim and dtype let the compiler unroll the row loops completely. */
-#define ATTEND_CASE(DIM, BF16)                                                                \
+#define ATTEND_CASE(BLOCK, DIM, BF16)                                                         \
     attend(q, q_stride, k_cache, v_cache, table, out, b, h, L, num_heads, num_kv_heads,      \
-           block_size, DIM, G, scale, BF16, qf, acc, row, scores)
+           BLOCK, DIM, G, scale, BF16, qf, acc, row, scores, blockscores)
 
 static int run(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
@@ -120,8 +180,10 @@ static int run(const void *q, int64_t q_stride, const void *k_cache, const void 
 #pragma omp parallel
     {
         float *qf = malloc(sizeof(float) * G * D), *acc = malloc(sizeof(float) * G * D);
-        float *row = malloc(sizeof(float) * D), *scores = malloc(sizeof(float) * G * max_len);
-        if (!qf || !acc || !row || !scores) {
+        const int64_t width = D > block_size ? D : block_size;
+        float *row = malloc(sizeof(float) * width), *scores = malloc(sizeof(float) * G * max_len);
+        float *blockscores = malloc(sizeof(float) * G * block_size);
+        if (!qf || !acc || !row || !scores || !blockscores) {
 #pragma omp atomic write
             failed = 1;
         } else {
@@ -129,18 +191,19 @@ static int run(const void *q, int64_t q_stride, const void *k_cache, const void 
             for (int64_t w = 0; w < num_tokens * num_kv_heads; ++w) {
                 const int64_t b = w / num_kv_heads, h = w % num_kv_heads, L = token_len[b];
                 const int64_t *table = block_tables + token_seq[b] * table_stride;
-                if (D == 64 && is_bf16) ATTEND_CASE(64, 1);
-                else if (D == 64) ATTEND_CASE(64, 0);
-                else if (D == 128 && is_bf16) ATTEND_CASE(128, 1);
-                else if (D == 128) ATTEND_CASE(128, 0);
-                else if (is_bf16) ATTEND_CASE(D, 1);
-                else ATTEND_CASE(D, 0);
+                if (block_size == 16 && D == 64 && is_bf16) ATTEND_CASE(16, 64, 1);
+                else if (block_size == 16 && D == 64) ATTEND_CASE(16, 64, 0);
+                else if (block_size == 16 && D == 128 && is_bf16) ATTEND_CASE(16, 128, 1);
+                else if (block_size == 16 && D == 128) ATTEND_CASE(16, 128, 0);
+                else if (is_bf16) ATTEND_CASE(block_size, D, 1);
+                else ATTEND_CASE(block_size, D, 0);
             }
         }
         free(qf);
         free(acc);
         free(row);
         free(scores);
+        free(blockscores);
     }
     return failed ? -1 : 0;
 }
@@ -165,7 +228,8 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
 }
 
 /* Store the step's new K and V rows (token t's heads contiguous, tokens src_stride
- * elements apart, e.g. views into the fused qkv output) in their cache slots. */
+ * elements apart, e.g. views into the fused qkv output) in their cache slots: V rows whole,
+ * K rows spread over the block's dimension-major layout. */
 static void write_rows(const char *k, const char *v, int64_t src_stride,
                        const int64_t *slot_mapping, char *k_cache, char *v_cache,
                        int64_t num_tokens, int64_t num_kv_heads, int64_t block_size,
@@ -177,8 +241,17 @@ static void write_rows(const char *k, const char *v, int64_t src_stride,
         for (int64_t h = 0; h < num_kv_heads; ++h) {
             const size_t dst = (size_t)((blk * num_kv_heads + h) * block_size + off) * row;
             const size_t src = (size_t)t * src_stride * esz + (size_t)h * row;
-            memcpy(k_cache + dst, k + src, row);
             memcpy(v_cache + dst, v + src, row);
+            const size_t kd = (size_t)((blk * num_kv_heads + h) * head_dim * block_size + off);
+            if (esz == 2) {
+                const uint16_t *ks = (const uint16_t *)(k + src);
+                uint16_t *kc = (uint16_t *)k_cache + kd;
+                for (int64_t d = 0; d < head_dim; ++d) kc[d * block_size] = ks[d];
+            } else {
+                const float *ks = (const float *)(k + src);
+                float *kc = (float *)k_cache + kd;
+                for (int64_t d = 0; d < head_dim; ++d) kc[d * block_size] = ks[d];
+            }
         }
     }
 }
