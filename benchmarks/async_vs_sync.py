@@ -2,8 +2,10 @@
 
     python benchmarks/async_vs_sync.py [--dtype bfloat16] [--repeats 3]
 
-Two workloads: decode-heavy (64 x 128 random prompt tokens x 128 output tokens, ignore_eos)
-and mixed (varied prompt and output lengths, some greedy requests free to stop on EOS).
+Three workloads: decode-heavy (64 x 128 random prompt tokens x 128 output tokens,
+ignore_eos), mixed (varied prompt and output lengths, some greedy requests free to stop on
+EOS), and small-batch (decode-heavy with 8 requests: short steps, where the per-step host
+work that async hides is the largest share of a step).
 Both engines live in one process and alternate runs, so machine noise hits both alike.
 """
 
@@ -73,6 +75,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--small-batch", type=int, default=8,
+                    help="requests in the small-batch workload")
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (on a shared box, 1 avoids straggler stalls)")
@@ -88,14 +92,16 @@ def main() -> None:
     for llm in engines.values():  # warm-up
         llm.generate(*decode_heavy(rng, 8, 16, 8), use_tqdm=False)
     rows = []
-    for name, make in (("decode-heavy", decode_heavy), ("mixed", mixed)):
+    for name, make, n in (("decode-heavy", decode_heavy, args.num_prompts),
+                          ("mixed", mixed, args.num_prompts),
+                          ("small-batch", decode_heavy, args.small_batch)):
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         for _ in range(args.repeats):
             seed = rng.randrange(1 << 30)
             for mode, llm in engines.items():
                 # The same fresh prompts for both modes within a repeat.
-                prompts, params = make(random.Random(seed), args.num_prompts,
-                                       args.input_len, args.output_len)
+                prompts, params = make(random.Random(seed), n, args.input_len,
+                                       args.output_len)
                 runs[mode].append(run_once(llm, prompts, params))
         med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                for m, rs in runs.items()}
