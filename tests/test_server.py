@@ -166,6 +166,7 @@ def test_stop_strings(env: dict[str, Any], client: openai.OpenAI) -> None:
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"min_p": 2}}, "min_p"),
+    ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
 ])
 def test_bad_completion_params(client: openai.OpenAI, kwargs: dict[str, Any],
                                param: str) -> None:
@@ -289,6 +290,23 @@ def test_prompt_too_long_400(env: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=600)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> None:
+    ids = [504, 3458, 282, 4649, 314, 1345, 28, 253]
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 5, "temperature": 0.0}
+    cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 3}, **kw)
+    tail = client.completions.create(prompt=ids[-3:], **kw)
+    assert cut.usage.prompt_tokens == 3
+    assert cut.choices[0].text == tail.choices[0].text
+
+
+def test_truncate_prompt_tokens_admits_an_over_long_prompt(env: dict[str, Any]) -> None:
+    keyed = env["keyed"]  # max_model_len 512
+    c = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=API_KEY, max_retries=0)
+    out = c.completions.create(model=MODEL, prompt="hello " * 600, max_tokens=2,
+                               extra_body={"truncate_prompt_tokens": 100})
+    assert out.usage.prompt_tokens == 100 and out.usage.completion_tokens == 2
 
 
 def test_api_key(env: dict[str, Any]) -> None:

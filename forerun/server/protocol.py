@@ -68,6 +68,8 @@ class _BaseRequest(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's extra: keep only the prompt's last k tokens (-1: as many as the model takes).
+    truncate_prompt_tokens: int | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _BaseRequest:
@@ -96,9 +98,22 @@ class _BaseRequest(BaseModel):
         except ValueError:
             raise ValueError("logit_bias: keys must be token ids") from None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def truncation(self, max_model_len: int) -> int | None:
+        """How many prompt tokens to keep (None: all); ValueError names the field."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k == -1:
+            return max_model_len
+        if k < 1:
+            raise ValueError(f"truncate_prompt_tokens: must be -1 or at least 1, got {k}")
+        return k
+
+    def sampling_params(self, max_tokens: int | None,
+                        truncate_prompt_tokens: int | None = None) -> SamplingParams:
         """SamplingParams for this body; ValueErrors start with the offending field."""
         return SamplingParams(
+            truncate_prompt_tokens=truncate_prompt_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None

@@ -60,10 +60,12 @@ def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
     engine = ctx.engine
     plans: list[tuple[ProcessedPrompt, SamplingParams]] = []
     try:
+        keep = body.truncation(engine.max_model_len)
         for p in prompts:
-            processed = engine.processor.process_prompt(p)
+            processed = engine.processor.process_prompt(p, keep)
             n = len(processed.prompt_token_ids)
-            params = body.sampling_params(resolve_max_tokens(ctx, requested, default_max, n))
+            params = body.sampling_params(resolve_max_tokens(ctx, requested, default_max, n),
+                                          keep)
             plans.append((processed, params))
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
