@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from forerun.model import cpu_kernels
 from forerun.model.config import ModelConfig
 from forerun.model.loader import (
     ModelLoadError,
@@ -76,6 +77,17 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return hf, ours, folder
 
 
+@pytest.fixture(params=["c-kernels", "torch-path"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the C kernels and again through the pure-torch model path (what
+    a machine without a C compiler runs)."""
+    if request.param == "torch-path":
+        monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
+    elif cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    return request.param
+
+
 def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return hf(torch.tensor([ids])).logits[0].float()
@@ -89,21 +101,21 @@ def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def test_prefill_logits_match(tiny) -> None:
+def test_prefill_logits_match(tiny, cpu_path: str) -> None:
     hf, ours, _ = tiny
     with torch.inference_mode():
         got = PagedDriver(ours).step([("a", PROMPT)])[0]
     torch.testing.assert_close(got, _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_continuation_matches(tiny) -> None:
+def test_greedy_continuation_matches(tiny, cpu_path: str) -> None:
     hf, ours, _ = tiny
     with torch.inference_mode():
         got = PagedDriver(ours, seed=7).greedy("a", PROMPT, 20)
     assert got == _hf_greedy(hf, PROMPT, 20)
 
 
-def test_chunked_prefill_matches_one_shot(tiny) -> None:
+def test_chunked_prefill_matches_one_shot(tiny, cpu_path: str) -> None:
     hf, ours, _ = tiny
     driver = PagedDriver(ours, seed=3)
     with torch.inference_mode():
@@ -112,7 +124,7 @@ def test_chunked_prefill_matches_one_shot(tiny) -> None:
     torch.testing.assert_close(torch.cat(chunks), _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_batch_decode_and_prefill_chunks(tiny) -> None:
+def test_mixed_batch_decode_and_prefill_chunks(tiny, cpu_path: str) -> None:
     hf, ours, _ = tiny
     a, b, c = PROMPT, [9, 8, 7, 6, 5], [100, 200, 300, 10, 20, 30, 40]
     driver = PagedDriver(ours, seed=11)
