@@ -24,6 +24,7 @@
 #define INLINE static inline __attribute__((always_inline))
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2 /* how far ahead the context walk asks for the next blocks */
+
 #endif
 
 #if defined(__AVX512F__)
@@ -60,6 +61,37 @@ INLINE void score_block16(const char *kb, const float *qf, int64_t G, int64_t D,
         if (gn > 3) _mm512_storeu_ps(out + (g0 + 3) * 16, a3);
     }
 }
+/* Weighted sum of the context's values for up to four query rows (head_dim 64), the
+ * sixteen float32 accumulators kept in registers for the whole walk over the blocks. */
+INLINE void accumulate_values64(const char *v_cache, const int64_t *table, int64_t L,
+                                int64_t KVH, int64_t h, int64_t BS, const float *probs,
+                                int64_t G, int is_bf16, float *acc) {
+    const size_t esz = is_bf16 ? 2 : 4;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+        const float *p0 = probs + g0 * L;
+        __m512 a[4][4];
+        for (int r = 0; r < 4; ++r)
+            for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+        for (int64_t t0 = 0; t0 < L; t0 += BS) {
+            const char *blk = v_cache + (size_t)(table[t0 / BS] * KVH + h) * BS * 64 * esz;
+            const int64_t n = L - t0 < BS ? L - t0 : BS;
+            for (int64_t i = 0; i < n; ++i) {
+                const char *vr = blk + (size_t)i * 64 * esz;
+                __m512 v[4];
+                for (int c = 0; c < 4; ++c) v[c] = load16(vr + (size_t)c * 16 * esz, is_bf16);
+                for (int r = 0; r < 4; ++r) {
+                    if (r >= gn) break;
+                    const __m512 pr = _mm512_set1_ps(p0[r * L + t0 + i]);
+                    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
+                }
+            }
+        }
+        for (int r = 0; r < gn; ++r)
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g0 + r) * 64 + c * 16, a[r][c]);
+    }
+}
+
 #endif
 
 INLINE void load_row(const void *src, int is_bf16, int64_t i, int64_t D, float *dst) {
@@ -145,6 +177,14 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
     }
+#if defined(__AVX512F__)
+    if (D == 64) {
+        accumulate_values64((const char *)v_cache, table, L, KVH, h, BS, scores, G, is_bf16, acc);
+        for (int64_t g = 0; g < G; ++g)
+            store_row(out, is_bf16, b * H + h * G + g, D, acc + g * D);
+        return;
+    }
+#endif
     memset(acc, 0, sizeof(float) * G * D);
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const char *blk = (const char *)v_cache + (table[t0 / BS] * KVH + h) * BS * D * esz;
