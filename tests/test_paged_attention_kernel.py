@@ -92,6 +92,8 @@ CASES = [
     ([(0, 7), (5, 1), (9, 6), (0, 1)], 4, 2, 4, 32),  # prompt, decode, chunk, 1-token prompt
     ([(39, 1), (0, 12), (3, 5)], 4, 4, 8, 16),  # no GQA
     ([(20, 20), (63, 1)], 6, 1, 16, 64),  # one kv head for all; chunk across blocks
+    ([(30, 1), (0, 5), (17, 3)], 10, 2, 16, 128),  # head_dim 128 (Qwen); five heads per kv head
+    ([(40, 2), (7, 1)], 4, 1, 32, 64),  # a block size the AVX-512 scorer does not take
 ]
 
 
