@@ -78,11 +78,16 @@ class AsyncLLM:
         try:
             # Load the tokenizer while the core loads the model.
             self.tokenizer = load_tokenizer(self.model_info.source)
-            self.client.wait_ready()
+            ready = self.client.wait_ready()
         except BaseException:
             self.client.shutdown()
             raise
         info = self.model_info
+        if ready.max_model_len != info.max_model_len:
+            # The core lowered it to fit its KV cache: validate requests against that.
+            logger.info("max_model_len is %d (the engine core's KV cache limit)",
+                        ready.max_model_len)
+            info.max_model_len = ready.max_model_len
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
                                    info.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -82,14 +82,14 @@ class EngineCoreClient:
                 args=(self.config, self.input_addr, self.output_addr, None, True))
             self._thread.start()
 
-    def wait_ready(self, timeout_s: float = 900.0) -> None:
+    def wait_ready(self, timeout_s: float = 900.0) -> Ready:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._out.poll(200):
                 msg = output_decoder.decode(self._out.recv())
                 if isinstance(msg, Ready):
                     logger.info("engine core ready")
-                    return
+                    return msg
                 if isinstance(msg, StartupFailed):
                     logger.debug("engine core startup traceback:\n%s", msg.traceback)
                     raise EngineStartupError(f"engine core failed to start: {msg.error}")

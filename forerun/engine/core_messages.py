@@ -121,6 +121,8 @@ class WireOutput(msgspec.Struct, array_like=True):
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     pid: int
+    # The core may lower max_model_len to what its KV cache holds; the frontend adopts it.
+    max_model_len: int
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

@@ -134,13 +134,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     core: EngineCore | None = None
     try:
         try:
-            core = build_engine_core(config, resolve_model_info(config))
+            info = resolve_model_info(config)
+            core = build_engine_core(config, info)
         except Exception as exc:
             logger.error("engine core failed to start: %s", exc)
             out_sock.send(output_encoder.encode(
                 StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
             return
-        out_sock.send(output_encoder.encode(Ready(os.getpid())))
+        out_sock.send(output_encoder.encode(Ready(os.getpid(), info.max_model_len)))
         proc = EngineCoreProc(core, config, in_sock, out_sock, parent_pid)
         try:
             proc.run()
