@@ -20,8 +20,9 @@ the kernels could not be built, the torch path below computes the same function:
 one batched gather + matmul call, prefill chunks with SDPA one sequence at a time.
 
 Everything that depends only on the batch shape (gather indices, masks) is computed once per
-step in ``AttentionMetadata.build`` (or by the first layer, where the head count is needed)
-so that the per-layer path is a handful of tensor ops with no host synchronisation.
+step, by ``AttentionMetadata`` on the first layer's request (the torch path's indices and
+masks only if that path runs), so that the per-layer path is a handful of tensor ops with no
+host synchronisation.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def _head_runs(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 class PrefillSpan:
     """One sequence with more than one query token in this step (a prompt or a chunk of one)."""
 
+    seq: int  # row of block_tables
     start: int
     end: int
     seq_len: int
@@ -98,6 +100,9 @@ class AttentionMetadata:
     write_rows: torch.Tensor | None = None
     write_k_elems: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Sequences with a single query token (decodes), in batch order.
+    decode_seq_idx: list[int] = field(default_factory=list)
+    torch_path_ready: bool = False
     # For the C kernel, per query token: its row in block_tables and how many context
     # positions it sees (its position + 1); built on first use.
     token_seq: torch.Tensor | None = None
@@ -148,17 +153,28 @@ class AttentionMetadata:
                 raise ValueError(f"sequence {i}: query length {q_len} > seq_len {seq_len}")
             if q_len == 1:
                 dec_idx.append(i)
-                continue
-            ctx = seq_len - q_len
-            blocks = None
-            mask = None
-            if ctx > 0:
-                blocks = block_tables[i, : -(-seq_len // block_size)]
-                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(ctx)
-            meta.prefills.append(PrefillSpan(start, end, seq_len, blocks, mask))
-        if dec_idx:
-            meta._build_decode(dec_idx, device)
+            else:
+                meta.prefills.append(PrefillSpan(i, start, end, seq_len, None, None))
+        meta.decode_seq_idx = dec_idx
         return meta
+
+    def build_torch_path(self) -> None:
+        """Gather indices and masks of the pure-torch path; built once per step, and only
+        when that path runs (the C kernels need none of it)."""
+        if self.torch_path_ready:
+            return
+        self.torch_path_ready = True
+        device = self.block_tables.device
+        for span in self.prefills:
+            q_len = span.end - span.start
+            ctx = span.seq_len - q_len
+            if ctx > 0:
+                span.context_blocks = self.block_tables[
+                    span.seq, : -(-span.seq_len // self.block_size)]
+                span.mask = torch.ones(q_len, span.seq_len, dtype=torch.bool,
+                                       device=device).tril(ctx)
+        if self.decode_seq_idx:
+            self._build_decode(self.decode_seq_idx, device)
 
     def _build_decode(self, dec_idx: list[int], device: torch.device) -> None:
         rows = [self.query_start_loc[i] for i in dec_idx]
@@ -291,6 +307,7 @@ def paged_attention(
         out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, token_seq,
                                           token_len, scale)
         return out.view(t, num_heads * d)
+    meta.build_torch_path()
     write_kv(k, v, k_cache, v_cache, meta)
     if not meta.prefills and meta.decode_row_range == (0, t):
         # Pure decode step (the common case): no scatter into a separate output.
@@ -299,7 +316,7 @@ def paged_attention(
     k_runs = k_cache.view(-1, v_cache.shape[2] * d)
     v_runs = v_cache.view(-1, v_cache.shape[2] * d)
     out = q.new_empty(t, num_heads, d)
-    if meta.decode_blocks is not None:
+    if meta.decode_seq_idx:
         if meta.decode_row_range is not None:
             lo, hi = meta.decode_row_range
             out[lo:hi] = decode_attention_torch(q[lo:hi], k_cache, v_cache, meta, scale)
