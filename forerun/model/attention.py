@@ -283,7 +283,7 @@ def _prefill_attention(
 
 
 def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    if q.device.type != "cpu" or not cpu_kernels.supports(q.dtype, q.device):
+    if not cpu_kernels.supports(q.dtype, q.device):
         return False
     # Heads contiguous inside each token's row, K and V rows equally far apart.
     return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v)) and (

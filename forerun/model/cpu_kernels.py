@@ -1,8 +1,9 @@
-"""Builds and loads forerun's C kernels for the CPU: paged attention, the KV cache write and the fused
-elementwise ops of a decoder layer (residual add + RMSNorm, SiLU-and-multiply, rotary).
+"""Builds and loads forerun's C kernels for the CPU: paged attention, the KV cache write and
+the fused elementwise ops of a decoder layer (residual add + RMSNorm, SiLU-and-multiply,
+rotary).
 
-The kernels (``csrc/*.c``) are plain C with OpenMP, compiled on first use by the system C compiler
-(``$CC``, default ``cc``) for the machine at hand (``-march=native``) and loaded with
+The kernels (``csrc/*.c``) are plain C with OpenMP, compiled on first use by the system C
+compiler (``$CC``, default ``cc``) for the machine at hand (``-march=native``) and loaded with
 ``ctypes``, which releases the GIL for the call. The shared object is kept under
 ``<cache>/kernels/`` keyed by the source, the flags, the compiler and the CPU, so the
 compile (about a second) happens once per machine. If no compiler is available or the build
@@ -117,7 +118,7 @@ def kernel_library() -> ctypes.CDLL | None:
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    """True if the C decode attention can run for this cache dtype and device."""
+    """True if the C kernels can run for tensors of this dtype on this device."""
     return device.type == "cpu" and dtype in _DTYPE_SUFFIX and kernel_library() is not None
 
 

@@ -14,7 +14,7 @@ from forerun.model import cpu_kernels
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and cpu_kernels.supports(x.dtype, x.device)
+    return cpu_kernels.supports(x.dtype, x.device)
 
 
 class RMSNorm(nn.Module):

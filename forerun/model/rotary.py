@@ -92,7 +92,7 @@ def apply_rotary(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
 
     May rotate ``x`` in place (the C kernel does, for heads contiguous within a row).
     """
-    if (x.device.type == "cpu" and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    if (x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
             and cpu_kernels.supports(x.dtype, x.device)):
         cpu_kernels.rotary_(x, tables.cos_half, tables.sin_half)
         return x
