@@ -93,3 +93,15 @@ def test_rotary_kernel_rotates_strided_heads_in_place(dtype: torch.dtype) -> Non
     torch.testing.assert_close(out.double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
     assert out.data_ptr() == view.data_ptr()  # in place
     assert torch.equal(fused[:, heads * d:], tail)  # the rest of the row untouched
+
+
+def test_argmax_kernel_returns_torchs_first_maximum() -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 1000, generator=gen)
+    x[1, 17] = x[1, 900] = 50.0  # a tie: the first index wins, as in torch
+    x[2] = 0.0  # all equal
+    x[3, -1] = 80.0  # maximum in the last column
+    x[4] = -torch.arange(1000, dtype=torch.float32)  # maximum in the first column
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+    assert cpu_kernels.argmax_rows(x).tolist() == [int(x[0].argmax()), 17, 0, 999, 0,
+                                                   int(x[5].argmax())]

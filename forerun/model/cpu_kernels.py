@@ -104,6 +104,8 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
+    lib.argmax_rows_f32.restype = ctypes.c_int
+    lib.argmax_rows_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     return lib
 
 
@@ -207,4 +209,13 @@ def paged_attention(
         token_len.data_ptr(), out.data_ptr(), t, num_heads, kvh, bs, d, scale)
     if rc != 0:
         raise MemoryError("paged attention could not allocate its scratch space")
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a contiguous 2-D float32 tensor without NaN (first index of
+    the maximum, like torch)."""
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _fn("argmax_rows", torch.float32)(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return out

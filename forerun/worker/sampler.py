@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun.model import cpu_kernels
+
 
 @dataclass(slots=True)
 class PenaltyBatch:
@@ -81,7 +83,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = process_logits(logits, meta)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if meta.all_greedy:
             sampled = greedy
         else:
@@ -102,10 +104,19 @@ class Sampler:
             q.exponential_()
         for row, gen in meta.generators.items():
             q[row].exponential_(generator=gen)
-        sampled = probs.div_(q).argmax(dim=-1)
+        sampled = argmax_rows(probs.div_(q))
         if meta.all_random or meta.greedy_mask is None:
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``[rows, vocab]``; on CPU through the C kernel, which is about
+    4x faster than torch's for float32 logits of a 49k vocabulary."""
+    if (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+            and cpu_kernels.supports(x.dtype, x.device)):
+        return cpu_kernels.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
