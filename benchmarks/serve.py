@@ -18,11 +18,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 from common import markdown_table, write_json
+
+from forerun.bench.serve import wait_until_healthy
 
 
 def free_port() -> int:
@@ -31,24 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
-
-
 def start(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_healthy(f"http://127.0.0.1:{port}", proc)
+    wait_until_healthy(f"http://127.0.0.1:{port}", proc.poll, timeout_s=300.0, poll_s=1.0)
     return proc
 
 

@@ -12,10 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
-import httpx
+from forerun.bench.serve import wait_until_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
 BASE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
@@ -31,17 +30,10 @@ class ServerHandle:
     log_path: str
 
     def wait_healthy(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+        try:
+            wait_until_healthy(self.base_url, self.proc.poll, timeout_s, poll_s=0.3)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{exc}:\n{self.log()}") from None
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:

@@ -12,6 +12,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,25 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+
+
+def wait_until_healthy(base_url: str, exit_code: Callable[[], int | None], timeout_s: float,
+                       poll_s: float = 0.5) -> None:
+    """Poll ``base_url/health`` until it answers 200; RuntimeError if the server process
+    exits first (``exit_code`` returns its code, None while it runs), TimeoutError after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = exit_code()
+        if code is not None:
+            raise RuntimeError(f"server exited with {code}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{base_url} not healthy after {timeout_s:g} s")
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:

@@ -88,7 +88,6 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None
     # Context length the decode gather produces: n_blocks * block_size.
     decode_max_ctx: int = 0
-    num_decodes: int = 0
     # [B_dec, 1, 1, max_ctx] True where a gathered position is real context; None if none
     # is padding.
     decode_mask: torch.Tensor | None = None
@@ -192,7 +191,6 @@ class AttentionMetadata:
                 0, torch.tensor(dec_idx, dtype=torch.long, device=device))
         self.decode_blocks = tables[:, :n_blocks]
         self.decode_max_ctx = n_blocks * bs
-        self.num_decodes = len(dec_idx)
         if min(lens_list) != self.decode_max_ctx:
             pos = torch.arange(self.decode_max_ctx, device=device)
             lens = torch.tensor(lens_list, dtype=torch.long, device=device)
@@ -224,7 +222,7 @@ def decode_attention_torch(
     """All single-token queries of the step in one call, from tensor ops: gather the
     context densely, then two matmuls (or SDPA off the CPU); returns [B_dec, H, D]."""
     assert meta.decode_blocks is not None
-    b, num_heads, d = q.shape  # b == meta.num_decodes
+    b, num_heads, d = q.shape  # b == len(meta.decode_seq_idx)
     kvh, bs = v_cache.shape[1], v_cache.shape[2]
     k_runs = k_cache.view(-1, bs * d)
     v_runs = v_cache.view(-1, bs * d)

@@ -97,13 +97,15 @@ def _load() -> ctypes.CDLL | None:
         for name, args in (("paged_attention", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
                                                 _ptr, _i64, _i64, _i64, _i64, _i64,
                                                 ctypes.c_float]),
-                           ("kv_cache_write", [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                                               _i64, _i64]),("rms_norm", [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
+                           ("rms_norm", [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
                            ("silu_and_mul", [_ptr, _ptr, _i64, _i64]),
                            ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr])):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
+    lib.kv_cache_write.restype = ctypes.c_int
+    lib.kv_cache_write.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                                   _i64]
     lib.argmax_rows_f32.restype = ctypes.c_int
     lib.argmax_rows_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     return lib
@@ -177,10 +179,15 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     _check_rows(v)
     assert k.stride(0) == v.stride(0) and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
     t, kvh, d = k.shape
-    _fn("kv_cache_write", k.dtype)(k.data_ptr(), v.data_ptr(), k.stride(0),
-                                   slot_mapping.data_ptr(), k_cache.data_ptr(),
-                                   v_cache.data_ptr(), t, kvh, v_cache.shape[2], d)
+    lib = kernel_library()
+    assert lib is not None, "call supports() first"
+    rc = lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
+                            k_cache.data_ptr(), v_cache.data_ptr(), t, kvh, v_cache.shape[2], d,
+                            k.element_size())
+    if rc != 0:
+        raise ValueError(f"kv_cache_write: unsupported dtype {k.dtype}")
 
 
 def paged_attention(

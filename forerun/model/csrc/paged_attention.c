@@ -269,19 +269,22 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
 
 /* Store the step's new K and V rows (token t's heads contiguous, tokens src_stride
  * elements apart, e.g. views into the fused qkv output) in their cache slots: V rows whole,
- * K rows spread over the block's dimension-major layout. */
-static void write_rows(const char *k, const char *v, int64_t src_stride,
-                       const int64_t *slot_mapping, char *k_cache, char *v_cache,
-                       int64_t num_tokens, int64_t num_kv_heads, int64_t block_size,
-                       int64_t head_dim, size_t esz) {
-    const size_t row = (size_t)head_dim * esz;
+ * K rows spread over the block's dimension-major layout. Only moves values, so one entry
+ * serves every dtype: elem_size is 2 (bf16) or 4 (float32). */
+int kv_cache_write(const void *k_src, const void *v_src, int64_t src_stride,
+                   const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                   int64_t num_tokens, int64_t num_kv_heads, int64_t block_size,
+                   int64_t head_dim, int64_t elem_size) {
+    const char *k = k_src, *v = v_src;
+    const size_t esz = (size_t)elem_size, row = (size_t)head_dim * esz;
+    if (esz != 2 && esz != 4) return -1;
 #pragma omp parallel for schedule(static) if (num_tokens > 64)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t], blk = slot / block_size, off = slot % block_size;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
             const size_t dst = (size_t)((blk * num_kv_heads + h) * block_size + off) * row;
             const size_t src = (size_t)t * src_stride * esz + (size_t)h * row;
-            memcpy(v_cache + dst, v + src, row);
+            memcpy((char *)v_cache + dst, v + src, row);
             const size_t kd = (size_t)((blk * num_kv_heads + h) * head_dim * block_size + off);
             if (esz == 2) {
                 const uint16_t *ks = (const uint16_t *)(k + src);
@@ -294,22 +297,5 @@ static void write_rows(const char *k, const char *v, int64_t src_stride,
             }
         }
     }
-}
-
-int kv_cache_write_f32(const float *k, const float *v, int64_t src_stride,
-                       const int64_t *slot_mapping, float *k_cache, float *v_cache,
-                       int64_t num_tokens, int64_t num_kv_heads, int64_t block_size,
-                       int64_t head_dim) {
-    write_rows((const char *)k, (const char *)v, src_stride, slot_mapping, (char *)k_cache,
-               (char *)v_cache, num_tokens, num_kv_heads, block_size, head_dim, 4);
-    return 0;
-}
-
-int kv_cache_write_bf16(const uint16_t *k, const uint16_t *v, int64_t src_stride,
-                        const int64_t *slot_mapping, uint16_t *k_cache, uint16_t *v_cache,
-                        int64_t num_tokens, int64_t num_kv_heads, int64_t block_size,
-                        int64_t head_dim) {
-    write_rows((const char *)k, (const char *)v, src_stride, slot_mapping, (char *)k_cache,
-               (char *)v_cache, num_tokens, num_kv_heads, block_size, head_dim, 2);
     return 0;
 }
