@@ -135,11 +135,23 @@ def test_prefix_cache_hits_on_shared_prefixes_without_changing_tokens(llm_cache)
     assert uncached.stats()["prefix_cache_hits"] == 0
 
 
-def test_seeded_request_gets_the_same_tokens_whatever_else_is_in_the_batch(llm_cache):
-    llm = llm_cache()
-    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)
+SEEDED = {
+    "temperature": dict(temperature=1.0),
+    "top_p": dict(temperature=0.8, top_p=0.9),
+    "top_k + min_p": dict(temperature=1.2, top_k=20, min_p=0.02),
+}
+
+
+@pytest.mark.parametrize("async_scheduling", ["on", "off"])
+@pytest.mark.parametrize("setting", list(SEEDED))
+def test_seeded_request_gets_the_same_tokens_whatever_else_is_in_the_batch(
+        llm_cache, async_scheduling: str, setting: str):
+    llm = llm_cache(async_scheduling=async_scheduling)
+    seeded = SamplingParams(max_tokens=12, seed=1234, **SEEDED[setting])
     alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(max_tokens=n, temperature=0.9) for n in (5, 9, 13)]
+    others = [SamplingParams(max_tokens=5, temperature=0.9),
+              SamplingParams(max_tokens=9, temperature=0.0),
+              SamplingParams(max_tokens=13, temperature=0.7, top_p=0.5, seed=99)]
     batch = llm.generate(PROMPTS[:4], [seeded, *others], use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
     again = llm.generate([PROMPTS[2], PROMPTS[0]], [others[0], seeded], use_tqdm=False)
@@ -147,6 +159,14 @@ def test_seeded_request_gets_the_same_tokens_whatever_else_is_in_the_batch(llm_c
     unseeded = llm.generate([PROMPTS[0]] * 2, SamplingParams(max_tokens=12, temperature=1.0),
                             use_tqdm=False)
     assert unseeded[0].outputs[0].token_ids != alone or unseeded[1].outputs[0].token_ids != alone
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_tokens_are_the_same_sync_and_async(llm_cache):
+    params = [SamplingParams(max_tokens=10, seed=7 + i, **s) for i, s in enumerate(SEEDED.values())]
+    outs = [llm_cache(async_scheduling=mode).generate(PROMPTS[:3], params, use_tqdm=False)
+            for mode in ("on", "off")]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
 
 
 def test_stop_string_truncates_text_and_stop_token_ids_end_generation(llm_cache):

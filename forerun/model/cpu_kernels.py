@@ -1,6 +1,6 @@
-"""Builds and loads forerun's C kernels for the CPU: paged attention, the KV cache write and
+"""Builds and loads forerun's C kernels for the CPU: paged attention, the KV cache write,
 the fused elementwise ops of a decoder layer (residual add + RMSNorm, SiLU-and-multiply,
-rotary).
+rotary) and the sampler's row kernels (argmax, random sampling).
 
 The kernels (``csrc/*.c``) are plain C with OpenMP, compiled on first use by the system C
 compiler (``$CC``, default ``cc``) for the machine at hand (``-march=native``) and loaded with
@@ -108,6 +108,8 @@ def _load() -> ctypes.CDLL | None:
                                    _i64]
     lib.argmax_rows_f32.restype = ctypes.c_int
     lib.argmax_rows_f32.argtypes = [_ptr, _ptr, _i64, _i64]
+    lib.sample_rows_f32.restype = ctypes.c_int
+    lib.sample_rows_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
     return lib
 
 
@@ -225,4 +227,28 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _fn("argmax_rows", torch.float32)(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
+                ) -> torch.Tensor:
+    """One token per row of contiguous float32 ``logits`` ``[S, V]``: argmax where
+    ``temperature`` is 0, else an inverse-CDF draw at ``uniforms`` (float64 in [0, 1)) from
+    the softmax at that temperature restricted by ``min_p`` (0 = off), ``top_k`` (int64,
+    0 = off) and ``top_p`` (1 = off). Every per-row tensor is contiguous ``[S]`` float32
+    unless said otherwise."""
+    assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_contiguous()
+    rows, vocab = logits.shape
+    for t, dt in ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32),
+                  (min_p, torch.float32), (uniforms, torch.float64)):
+        assert t.dtype == dt and t.is_contiguous() and t.shape == (rows,), t
+    out = torch.empty(rows, dtype=torch.int64)
+    lib = kernel_library()
+    assert lib is not None, "call supports() first"
+    rc = lib.sample_rows_f32(logits.data_ptr(), rows, vocab, temperature.data_ptr(),
+                             top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
+                             uniforms.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise MemoryError("sampling could not allocate its scratch space")
     return out

@@ -18,6 +18,7 @@ from forerun.core.output import (
 from forerun.model.attention import AttentionMetadata, new_kv_cache
 from forerun.sampling_params import SamplingType
 from forerun.trace import WORKER_LANE, Tracer
+from forerun.worker import rng
 from forerun.worker.request_state import CachedRequestState
 from forerun.worker.sampler import Sampler, SamplerOutput, compute_logprobs
 from forerun.worker.sampling_state import SamplingState
@@ -131,7 +132,6 @@ class ModelRunner:
         self.vocab_size = vocab_size if vocab_size is not None else _vocab_of(model)
         # Penalty counts, bias rows and bad-word history, per slot, on the device.
         self.sampling_state = SamplingState(max_num_seqs, self.vocab_size, device)
-        self._paused_generators: dict[str, torch.Generator] = {}
         self._step: _StepState | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -141,21 +141,17 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self._free_slots.append(state.slot)
-                if req_id in so.preempted_req_ids and state.generator is not None:
-                    # A resumed request continues its random stream where it stopped, so
-                    # its tokens do not depend on whether it was preempted.
-                    self._paused_generators[req_id] = state.generator
-        for req_id in so.finished_req_ids:
-            self._paused_generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self._free_slots.append(old.slot)
             params = new.sampling_params
-            gen = self._paused_generators.pop(new.req_id, None)
-            if gen is None and params.sampling_type == SamplingType.RANDOM_SEED:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed)
+            # A seeded request's uniforms depend on its seed and output index only, so a
+            # resumed request continues its random stream exactly where it stopped.
+            if params.seed is not None:
+                key = rng.key_from_seed(params.seed)
+            else:
+                key = rng.random_key() if params.sampling_type == SamplingType.RANDOM else 0
             ids = new.prompt_token_ids
             num_prompt = new.num_prompt_tokens if new.num_prompt_tokens >= 0 else len(ids)
             state = CachedRequestState(
@@ -164,7 +160,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling_params=params,
-                generator=gen,
+                rng_key=key,
                 slot=self._free_slots.pop(),
                 num_prompt_tokens=num_prompt,
                 num_output_tokens=len(ids) - num_prompt,

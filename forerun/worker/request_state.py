@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from forerun.sampling_params import SamplingParams
 
 
@@ -23,7 +21,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
-    generator: torch.Generator | None
+    rng_key: int  # the key of this request's uniforms (forerun.worker.rng)
     slot: int  # stable row of this request in the runner's device tensors
     last_sampled_pos: int = -1  # position of the token held in last_sampled[slot]
     num_prompt_tokens: int = 0

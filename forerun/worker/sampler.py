@@ -14,7 +14,13 @@ The order of operations on each row (the same as vLLM's):
    change with the sampling temperature, and a banned token reports -inf);
 4. **temperature**; then **min_p**, **top-k** and **top-p** (greedy rows skip 4 and 5:
    they cannot change the argmax);
-5. **sample**: argmax for greedy rows, the exponential race for random rows.
+5. **sample**: argmax for greedy rows; for random rows one draw by inverse CDF at the row's
+   own uniform (``forerun.worker.rng``: a function of the request's key and output index).
+
+On CPU, steps 4 and 5 run in one C call (``csrc/sampling.c``): a few vectorised passes per
+row, no sort of the vocabulary and one random number per row, so sampling costs about
+what argmax does. Elsewhere the same functions run as torch ops (a sort when top-k or
+top-p is set, a cumulative sum and a search).
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ class SamplingMetadata:
     greedy_mask: torch.Tensor | None  # [S] bool, None when all rows agree
     top_p: torch.Tensor | None  # [S] float32, None when no row uses it
     top_k: torch.Tensor | None  # [S] int64 (vocab size = off), None when no row uses it
-    generators: dict[int, torch.Generator]  # row -> its request's own generator
+    # [S] float64 in [0, 1): each random row's draw (host memory); None when all greedy.
+    uniforms: torch.Tensor | None = None
     min_p: torch.Tensor | None = None  # [S] float32, None when no row uses it
     # Static per-request additive bias (allowed ids, logit_bias, one-token bad words).
     bias_rows: torch.Tensor | None = None  # [B] int64
@@ -73,38 +80,53 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Turns logits into one token id per row, with no Python loop over unseeded rows.
+    """Turns logits into one token id per row, with no Python loop over the rows.
 
-    See the module docstring for the order in which the settings apply. Random rows
-    sample by the exponential race (argmax of p / q with q ~ Exp(1)), which needs no
-    cumulative sum and lets a seeded row draw its noise from its own generator, so its
-    tokens do not depend on what else is in the batch.
+    See the module docstring for the order in which the settings apply. A random row's
+    token is a function of its processed logits and its own uniform only, so a seeded
+    request's tokens do not depend on what else is in the batch.
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = process_logits(logits, meta)
-        greedy = argmax_rows(logits)
         if meta.all_greedy:
-            sampled = greedy
+            sampled = argmax_rows(logits)
+        elif (logits.dtype == torch.float32 and logits.is_contiguous()
+              and cpu_kernels.supports(logits.dtype, logits.device)):
+            sampled = self._sample_cpu(logits, meta)
         else:
-            sampled = self._sample_random(logits, meta, greedy)
+            sampled = self._sample_torch(logits, meta)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled)
         return SamplerOutput(sampled, *compute_logprobs(logits, sampled, meta.max_num_logprobs))
 
-    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata,
-                       greedy: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _sample_cpu(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        rows = logits.shape[0]
+        assert meta.uniforms is not None
+        temperature = meta.temperature
+        if meta.greedy_mask is not None:
+            temperature = temperature.masked_fill(meta.greedy_mask, 0.0)
+        top_k = meta.top_k if meta.top_k is not None else torch.zeros(rows, dtype=torch.int64)
+        top_p = meta.top_p if meta.top_p is not None else torch.ones(rows)
+        min_p = meta.min_p if meta.min_p is not None else torch.zeros(rows)
+        return cpu_kernels.sample_rows(logits, temperature, top_k, top_p, min_p,
+                                       meta.uniforms)
+
+    @staticmethod
+    def _sample_torch(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        assert meta.uniforms is not None
+        greedy = argmax_rows(logits)
         logits = logits / meta.temperature.unsqueeze(1)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs)
-        if len(meta.generators) < probs.shape[0]:
-            q.exponential_()
-        for row, gen in meta.generators.items():
-            q[row].exponential_(generator=gen)
-        sampled = argmax_rows(probs.div_(q))
+        cdf = logits.softmax(dim=-1, dtype=torch.float64).cumsum_(dim=-1)
+        u = meta.uniforms.to(logits.device, non_blocking=True).unsqueeze(1)
+        # The first token whose cumulative mass exceeds u; masked tokens add nothing, so it
+        # is never one of them.
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        sampled = sampled.clamp_(max=logits.shape[-1] - 1)
         if meta.all_random or meta.greedy_mask is None:
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)

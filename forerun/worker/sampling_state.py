@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from forerun.sampling_params import SamplingType
+from forerun.worker import rng
 from forerun.worker.request_state import CachedRequestState
 from forerun.worker.sampler import PenaltyBatch, SamplingMetadata
 
@@ -122,7 +123,8 @@ class SamplingState:
         top_p: list[float] = []
         top_k: list[int] = []
         min_p: list[float] = []
-        generators: dict[int, torch.Generator] = {}
+        keys: list[int] = []
+        counters: list[int] = []
         bias_rows: list[int] = []
         bias_slots: list[int] = []
         pen_rows: list[int] = []
@@ -147,8 +149,8 @@ class SamplingState:
             top_p.append(p.top_p)
             top_k.append(p.top_k if p.top_k > 0 else -1)
             min_p.append(0.0 if is_greedy else p.min_p)
-            if state.generator is not None:
-                generators[row] = state.generator
+            keys.append(state.rng_key)
+            counters.append(state.num_output_tokens)
             if p.uses_penalties:
                 pen_rows.append(row)
                 pen_slots.append(state.slot)
@@ -196,7 +198,7 @@ class SamplingState:
             if any(p < 1.0 for p in top_p) else None,
             top_k=torch.tensor([k if k > 0 else vocab for k in top_k], dtype=torch.long,
                                device=dev) if use_top_k else None,
-            generators=generators,
+            uniforms=None if all_greedy else torch.from_numpy(rng.uniforms(keys, counters)),
             min_p=torch.tensor(min_p, dtype=torch.float32, device=dev)
             if any(m > 0.0 for m in min_p) else None,
             max_num_logprobs=max_logprobs,
