@@ -77,15 +77,28 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return hf, ours, folder
 
 
-@pytest.fixture(params=["c-kernels", "torch-path"])
-def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through the C kernels and again through the pure-torch model path (what
-    a machine without a C compiler runs)."""
+@pytest.fixture(params=["small-batch", "op-by-op", "torch-path"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Run a test through each CPU path: every step as one C call for the whole stack
+    (the small-batch path, here for steps of any size), the C kernels op by op, and the
+    pure-torch model path (what a machine without a C compiler runs)."""
     if request.param == "torch-path":
         monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
-    elif cpu_kernels.kernel_library() is None:
+        yield request.param
+        return
+    if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler: the kernels cannot be built")
-    return request.param
+    if request.param == "op-by-op":
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "0")
+        yield request.param
+        return
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
+    calls = []
+    real = cpu_kernels.decoder_stack
+    monkeypatch.setattr(cpu_kernels, "decoder_stack",
+                        lambda dtype: calls.append(dtype) or real(dtype))
+    yield request.param
+    assert calls, "the small-batch path was never taken"
 
 
 def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -86,7 +86,16 @@ def test_prefill_logits_match(hf: torch.nn.Module, ours: torch.nn.Module) -> Non
     assert got[-1].topk(3).indices.tolist() == [8180, 3102, 6560]
 
 
-def test_greedy_matches_transformers(ours: torch.nn.Module, hf_greedy: dict[str, list[int]]) -> None:
+@pytest.fixture(params=["small-batch", "op-by-op"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Decode steps through the one-call small-batch path (the default for a few tokens),
+    then through the C kernels op by op."""
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "4" if request.param == "small-batch" else "0")
+    return request.param
+
+
+def test_greedy_matches_transformers(ours: torch.nn.Module, hf_greedy: dict[str, list[int]],
+                                     decode_path: str) -> None:
     # min_new_tokens=16 only masks EOS, which greedy never picks within these 16 tokens.
     assert hf_greedy == {"once": ONCE_GREEDY, "paris": PARIS_GREEDY}
     # One sequence alone here; both prompts together in test_batched_greedy_matches.
@@ -95,7 +104,8 @@ def test_greedy_matches_transformers(ours: torch.nn.Module, hf_greedy: dict[str,
         assert driver.greedy("once", ONCE, 16) == hf_greedy["once"]
 
 
-def test_batched_greedy_matches(ours: torch.nn.Module, hf_greedy: dict[str, list[int]]) -> None:
+def test_batched_greedy_matches(ours: torch.nn.Module, hf_greedy: dict[str, list[int]],
+                                decode_path: str) -> None:
     driver = PagedDriver(ours, block_size=16, seed=5)
     outs: dict[str, list[int]] = {"once": [], "paris": []}
     with torch.inference_mode():

@@ -36,12 +36,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from forerun import envs
 from forerun.model.errors import ModelLoadError
 from forerun.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "FORERUN_CACHE_DIR"
+CACHE_ENV = envs.CACHE_DIR
 _DISABLED = frozenset({"", "off", "0", "none", "false", "no"})
 # Bump when the layout or the meaning of a stored part changes: old entries are then ignored.
 CACHE_VERSION = 1
@@ -50,7 +51,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def cache_root() -> Path | None:
     """The cache folder, or ``None`` when the user turned the cache off."""
-    value = os.environ.get(CACHE_ENV)
+    value = envs.cache_dir()
     if value is None:
         return Path("~/.cache/forerun").expanduser()
     if value.strip().lower() in _DISABLED:

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
+from forerun import envs
 from forerun.model.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
-_ENV_SWITCH = "FORERUN_CPU_KERNELS"
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -78,10 +78,10 @@ def _build(compiler: str, out_dir: Path) -> Path:
 
 
 def _load() -> ctypes.CDLL | None:
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        logger.info("%s=0: the model uses its pure-torch path", _ENV_SWITCH)
+    if not envs.cpu_kernels_enabled():
+        logger.info("FORERUN_CPU_KERNELS=0: the model uses its pure-torch path")
         return None
-    compiler = os.environ.get("CC", "cc")
+    compiler = envs.c_compiler()
     if shutil.which(compiler) is None:
         logger.warning("no C compiler (%s) found: the model uses its slower pure-torch "
                        "path", compiler)
@@ -99,7 +99,9 @@ def _load() -> ctypes.CDLL | None:
                                                 ctypes.c_float]),
                            ("rms_norm", [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
                            ("silu_and_mul", [_ptr, _ptr, _i64, _i64]),
-                           ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr])):
+                           ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]),
+                           ("small_matmul", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
+                           ("decoder_stack", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr])):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
@@ -251,4 +253,25 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                              uniforms.data_ptr(), out.data_ptr())
     if rc != 0:
         raise MemoryError("sampling could not allocate its scratch space")
+    return out
+
+
+def decoder_stack(dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """The C entry that runs every decoder layer of a small step (see
+    :mod:`forerun.model.small_batch`, which builds its arguments)."""
+    return _fn("decoder_stack", dtype)
+
+
+def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """``x @ weight.T + bias`` for contiguous ``x`` ``[..., k]`` with few rows and a plain
+    row-major ``weight`` ``[n, k]``, streaming the weight once for all rows."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    assert x.is_contiguous() and weight.is_contiguous() and weight.shape[1] == k
+    assert x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+    out = x.new_empty(*x.shape[:-1], n)
+    _fn("small_matmul", x.dtype)(x.data_ptr(), weight.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 x.numel() // k, n, k)
     return out

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from forerun.model import cpu_kernels
 from forerun.model.attention import AttentionMetadata, KVCache, paged_attention
 from forerun.model.base import CausalLM, Shard
 from forerun.model.config import ModelConfig
 from forerun.model.layers import GatedMLP, RMSNorm
 from forerun.model.packed_linear import PackedLinear, prepack_linears
 from forerun.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary
+from forerun.model.small_batch import SmallBatchStack
 
 
 class DecoderAttention(nn.Module):
@@ -117,6 +119,8 @@ class LlamaForCausalLM(CausalLM):
         # The tied output projection in oneDNN's layout, next to the embedding it shares
         # values with (the embedding lookup needs the plain rows); set by ``prepack``.
         self.packed_tied_head: PackedLinear | None = None
+        # Steps of a few tokens run every layer in one C call (see small_batch.py).
+        self.small_batch = SmallBatchStack(self)
         self.requires_grad_(False)
 
     def packed_shards(self) -> dict[str, Shard]:
@@ -146,6 +150,9 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rotary = self.rotary.tables(positions)
+        if self.small_batch.applies(x) and len(self.model.layers) > 0:
+            return self.small_batch.forward(x, rotary.cos_half, rotary.sin_half, kv_caches,
+                                            attn_metadata)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rotary, kv_cache, attn_metadata)
@@ -154,6 +161,9 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.small_batch.applies(hidden):
+            head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+            return cpu_kernels.small_matmul(hidden.contiguous(), head, None).float()
         if self.packed_tied_head is not None:
             return self.packed_tied_head(hidden).float()
         if self.lm_head is not None:

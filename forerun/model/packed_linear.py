@@ -4,23 +4,24 @@
 its blocked layout on every call. For decode-sized inputs (a few to a few dozen rows) that
 repacking is a large part of the matmul: measured on the 2-core machine, a pre-reordered
 bf16 weight is 1.1-1.2x faster at 64 rows and 1.5-1.8x faster at 1-7 rows, the shapes of
-low-concurrency serving. The reorder costs memory only while loading (the plain weight is
-dropped afterwards) and changes no result in bf16.
+low-concurrency serving. The reorder changes no result in bf16. The plain weight is kept
+too: the small-batch path (``forerun/model/small_batch.py``) streams it row by row, which
+beats any matmul library at one to four rows; the linear weights are held twice.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
+
+from forerun import envs
 
 logger = logging.getLogger(__name__)
 
 # Row count oneDNN tunes the packed layout for; any row count works with it.
 _PACK_HINT_ROWS = 64
-_ENV_SWITCH = "FORERUN_CPU_PREPACK"
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,7 @@ class PackedLinear(nn.Module):
         # Plain attributes, not parameters or buffers: the opaque oneDNN tensor must not be
         # moved, cast or saved by nn.Module machinery.
         self.packed_weight = _reorder(weight)
+        self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,8 +58,8 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """True where pre-reordered linears are available and give the plain linear's result."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        logger.info("%s=0: linear weights stay in their plain layout", _ENV_SWITCH)
+    if not envs.cpu_prepack_enabled():
+        logger.info("FORERUN_CPU_PREPACK=0: linear weights stay in their plain layout")
         return False
     if not torch.backends.mkldnn.is_available():
         return False

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from forerun import envs
+
 logger = logging.getLogger(__name__)
 
-_ENV_SWITCH = "FORERUN_SINGLE_OMP_TEAM"
 
 
 def _libgomp() -> ctypes.CDLL | None:
@@ -40,7 +40,7 @@ class CallerThreadsGuard:
     """Runs the calling thread's torch ops on one thread until :meth:`restore`."""
 
     def __init__(self) -> None:
-        self._gomp = _libgomp() if os.environ.get(_ENV_SWITCH, "1") != "0" else None
+        self._gomp = _libgomp() if envs.single_omp_team_enabled() else None
         self._previous = 0
         if self._gomp is None:
             return

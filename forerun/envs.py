@@ -1,0 +1,52 @@
+"""Every environment switch forerun reads, in one place (read when asked, so tests can set
+them per call).
+
+| variable | default | meaning |
+|---|---|---|
+| ``FORERUN_CACHE_DIR`` | ``~/.cache/forerun`` | converted models and built kernels; ``off`` disables |
+| ``CC`` | ``cc`` | the C compiler that builds the CPU kernels |
+| ``FORERUN_CPU_KERNELS`` | ``1`` | ``0``: the model's pure-torch path instead of the C kernels |
+| ``FORERUN_CPU_PREPACK`` | ``1`` | ``0``: plain linear weights (no oneDNN reorder) |
+| ``FORERUN_SINGLE_OMP_TEAM`` | ``1`` | ``0``: leave the engine thread's torch thread count alone |
+| ``FORERUN_SMALL_BATCH_TOKENS`` | ``4`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
+"""
+
+from __future__ import annotations
+
+import os
+
+CACHE_DIR = "FORERUN_CACHE_DIR"
+
+
+def cache_dir() -> str | None:
+    """The raw ``FORERUN_CACHE_DIR`` value (``None`` when unset)."""
+    return os.environ.get(CACHE_DIR)
+
+
+def c_compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
+def cpu_kernels_enabled() -> bool:
+    return _flag("FORERUN_CPU_KERNELS")
+
+
+def cpu_prepack_enabled() -> bool:
+    return _flag("FORERUN_CPU_PREPACK")
+
+
+def single_omp_team_enabled() -> bool:
+    return _flag("FORERUN_SINGLE_OMP_TEAM")
+
+
+def small_batch_tokens() -> int:
+    """Largest step (in tokens) for the one-call small-batch path; 0 = off."""
+    value = os.environ.get("FORERUN_SMALL_BATCH_TOKENS", "4")
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"FORERUN_SMALL_BATCH_TOKENS must be an integer, got {value!r}") from None

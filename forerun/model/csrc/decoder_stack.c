@@ -1,0 +1,117 @@
+/* Every decoder layer of a small batch in one call (CPU): the small-batch path.
+ *
+ * At a handful of tokens a layer's arithmetic is a few hundred microseconds of weight
+ * streaming, and running it op by op from Python adds about as much again: a ctypes call
+ * and tensor bookkeeping per op, ten ops a layer. Here the same kernels the op-by-op path
+ * uses (RMSNorm, rotary, KV write, paged attention, SiLU-mul) run back to back with the
+ * weight-streaming matmul of small_matmul.c, in the order of the Python layer
+ * (forerun/model/llama.py), with no return to Python between layers.
+ * Built and loaded by forerun/model/cpu_kernels.py.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Per layer, addresses of (in this order): */
+enum {
+    W_INPUT_NORM,
+    W_QKV,
+    B_QKV, /* 0 if none */
+    W_Q_NORM, /* 0 if none (per-head q/k norm, Qwen3) */
+    W_K_NORM,
+    W_O,
+    B_O,
+    W_POST_NORM,
+    W_GATE_UP,
+    W_DOWN,
+    K_CACHE,
+    V_CACHE,
+    NUM_LAYER_PTRS
+};
+
+/* The model's shape, and the step's attention inputs (as the op-by-op path passes them). */
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos_half, *sin_half;                  /* [t, head_dim / 2] */
+    const int64_t *slot_mapping, *block_tables;        /* [t], [seqs, table_stride] */
+    int64_t table_stride;
+    const int64_t *token_seq, *token_len;              /* [t], [t] */
+} stack_args_t;
+
+int rms_norm_f32(float *, float *, const float *, int64_t, int64_t, float);
+int rms_norm_bf16(uint16_t *, uint16_t *, const uint16_t *, int64_t, int64_t, float);
+int silu_and_mul_f32(const float *, float *, int64_t, int64_t);
+int silu_and_mul_bf16(const uint16_t *, uint16_t *, int64_t, int64_t);
+int rotary_f32(float *, int64_t, int64_t, int64_t, int64_t, const float *, const float *);
+int rotary_bf16(uint16_t *, int64_t, int64_t, int64_t, int64_t, const float *, const float *);
+int small_matmul_f32(const float *, const float *, const float *, float *, int64_t, int64_t,
+                     int64_t);
+int small_matmul_bf16(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
+                      int64_t, int64_t);
+int paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *,
+                        int64_t, const int64_t *, const int64_t *, float *, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, float);
+int paged_attention_bf16(const uint16_t *, int64_t, const uint16_t *, const uint16_t *,
+                         const int64_t *, int64_t, const int64_t *, const int64_t *, uint16_t *,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, float);
+int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *, void *, int64_t,
+                   int64_t, int64_t, int64_t, int64_t);
+
+#define P(layer, i) ((const void *)(intptr_t)(layer)[i])
+
+/* One body for both dtypes: T is the storage type, SFX the kernels' suffix. */
+#define DEFINE_STACK(T, SFX)                                                                    \
+    int decoder_stack_##SFX(int64_t num_layers, const int64_t *layer_ptrs,                      \
+                            const T *final_norm, T *x, T *residual, int64_t t,                  \
+                            const stack_args_t *a) {                                            \
+        const int64_t H = a->hidden, D = a->head_dim, NH = a->num_heads,                        \
+                      KVH = a->num_kv_heads, I = a->intermediate;                               \
+        const int64_t qs = NH * D, kvs = KVH * D, row = qs + 2 * kvs;                           \
+        T *qkv = malloc(sizeof(T) * t * row), *attn = malloc(sizeof(T) * t * qs);               \
+        T *gate_up = malloc(sizeof(T) * t * 2 * I), *act = malloc(sizeof(T) * t * I);           \
+        T *h = malloc(sizeof(T) * t * H);                                                       \
+        int rc = 0;                                                                             \
+        if (!qkv || !attn || !gate_up || !act || !h) rc = -1;                                   \
+        for (int64_t l = 0; l < num_layers && rc == 0; ++l) {                                   \
+            const int64_t *lp = layer_ptrs + l * NUM_LAYER_PTRS;                                \
+            /* x is the previous layer's MLP output; its residual add is fused into this */     \
+            /* layer's first norm (the first layer starts the residual stream). */              \
+            if (l == 0) {                                                                       \
+                memcpy(residual, x, sizeof(T) * t * H);                                         \
+                rms_norm_##SFX(x, NULL, P(lp, W_INPUT_NORM), t, H, a->eps);                     \
+            } else {                                                                            \
+                rms_norm_##SFX(x, residual, P(lp, W_INPUT_NORM), t, H, a->eps);                 \
+            }                                                                                   \
+            small_matmul_##SFX(x, P(lp, W_QKV), P(lp, B_QKV), qkv, t, row, H);                  \
+            if (lp[W_Q_NORM]) {                                                                 \
+                for (int64_t i = 0; i < t; ++i) {                                               \
+                    rms_norm_##SFX(qkv + i * row, NULL, P(lp, W_Q_NORM), NH, D, a->eps);        \
+                    rms_norm_##SFX(qkv + i * row + qs, NULL, P(lp, W_K_NORM), KVH, D, a->eps);  \
+                }                                                                               \
+            }                                                                                   \
+            rotary_##SFX(qkv, t, NH, row, D, a->cos_half, a->sin_half);                         \
+            rotary_##SFX(qkv + qs, t, KVH, row, D, a->cos_half, a->sin_half);                   \
+            void *kc = (void *)(intptr_t)lp[K_CACHE], *vc = (void *)(intptr_t)lp[V_CACHE];      \
+            kv_cache_write(qkv + qs, qkv + qs + kvs, row, a->slot_mapping, kc, vc, t, KVH,      \
+                           a->block_size, D, sizeof(T));                                        \
+            rc = paged_attention_##SFX(qkv, row, kc, vc, a->block_tables, a->table_stride,      \
+                                       a->token_seq, a->token_len, attn, t, NH, KVH,            \
+                                       a->block_size, D, a->scale);                             \
+            small_matmul_##SFX(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs);                      \
+            rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \
+            small_matmul_##SFX(h, P(lp, W_GATE_UP), NULL, gate_up, t, 2 * I, H);                \
+            silu_and_mul_##SFX(gate_up, act, t, I);                                             \
+            small_matmul_##SFX(act, P(lp, W_DOWN), NULL, x, t, H, I);                           \
+        }                                                                                       \
+        if (rc == 0) rms_norm_##SFX(x, residual, final_norm, t, H, a->eps);                     \
+        free(qkv);                                                                              \
+        free(attn);                                                                             \
+        free(gate_up);                                                                          \
+        free(act);                                                                              \
+        free(h);                                                                                \
+        return rc;                                                                              \
+    }
+
+DEFINE_STACK(float, f32)
+DEFINE_STACK(uint16_t, bf16)

@@ -1,0 +1,44 @@
+"""The small-batch matmul kernel (``csrc/small_matmul.c``) against float64 arithmetic.
+
+The kernel accumulates in float32 and rounds once to the storage type, so the bound is the
+float32 summation error for float32 and one bfloat16 rounding of the result for bfloat16.
+Shapes cover the register-blocked fast path (k a multiple of 32, four weight rows, one to
+four rows of x) and every remainder: rows of x past four, weight rows past a multiple of
+four, and k with a tail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.model import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.kernel_library() is None, reason="no C compiler: the kernels cannot be built"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("n", "k"), [(64, 576), (67, 576), (40, 100), (3, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_matmul_matches_float64(dtype: torch.dtype, m: int, n: int, k: int,
+                                      with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    got = cpu_kernels.small_matmul(x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    assert got.dtype == dtype and got.shape == (m, n)
+    err = (got.double() - ref).abs()
+    scale = ref.abs() + 1.0
+    bound = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: half an ulp is 2**-9 of |y|
+    assert (err / scale).max().item() < bound
+
+
+def test_small_matmul_keeps_leading_dimensions() -> None:
+    x = torch.randn(2, 1, 64)
+    w = torch.randn(10, 64)
+    torch.testing.assert_close(cpu_kernels.small_matmul(x, w, None), x @ w.T)
