@@ -1,8 +1,24 @@
-"""Serve SmolLM2 with forerun (async on and off) and measure it with ``forerun bench serve``
-at several concurrencies; with ``--vllm-python`` also vLLM's CPU build, side by side.
+"""Serve SmolLM2 with forerun (async on and off) and measure it at several concurrencies,
+with ``forerun bench serve`` or vLLM's own ``vllm bench serve`` as the load generator; with
+``--vllm-python``/``--vllm-model`` also vLLM's CPU build, side by side.
 
     python benchmarks/serve.py [--concurrency 1 8 32] [--num-prompts 64]
     python benchmarks/serve.py --vllm-python /path/to/vllm-venv/bin/python --vllm-model DIR
+    python benchmarks/serve.py --client vllm --vllm-python PY --vllm-model DIR \\
+        --servers forerun-on vllm
+    python benchmarks/serve.py --client vllm --vllm-python PY --tokenizer DIR \\
+        --servers forerun-on --concurrency 2 --num-prompts 4 --input-len 16 --output-len 8
+
+``--client forerun`` (default): ``forerun bench serve``, concurrencies 1 8 32 and 64 prompts
+at each unless given. ``--client vllm``: ``vllm bench serve`` run with ``--vllm-python``
+(through vllm_bench_client.py) on its random dataset, ``--ignore-eos``, seed 0 and no
+sampling parameters sent (the servers' default, temperature 1.0); concurrencies 1 8 32 64 and
+``max(8, 2 * concurrency)`` prompts at each unless ``--num-prompts`` is given. Its tokenizer
+is an HF folder: ``--tokenizer``, else ``--vllm-model``. Every server serves the model under
+one name (``--served-model-name SmolLM2-135M-Instruct``), so either client can address
+either server. ``--servers`` picks a subset of forerun-on, forerun-off and vllm; vllm needs
+``--vllm-python`` and ``--vllm-model``. With vLLM's server in the run, the forerun/vLLM ratio
+of output tok/s is printed per concurrency.
 
 vLLM needs an HF folder (see ../shared/reference/peer-baselines.md for how to make one from
 the GGUF) and its own virtual environment; it is skipped when not given.
@@ -19,10 +35,22 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from common import markdown_table, write_json
 
 from forerun.bench.serve import wait_until_healthy
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+VLLM_CLIENT = Path(__file__).resolve().parent / "vllm_bench_client.py"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+SERVER_KEYS = ("forerun-on", "forerun-off", "vllm")
+ROW_KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
+            "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
+            "failed")
+COLUMNS = ["server", "concurrency", "num_prompts", "output_tok_s", "req_s", "mean_ttft_ms",
+           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
+           "mean_e2el_ms", "failed"]
 
 
 def free_port() -> int:
@@ -34,7 +62,11 @@ def free_port() -> int:
 def start(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until_healthy(f"http://127.0.0.1:{port}", proc.poll, timeout_s=300.0, poll_s=1.0)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc.poll, timeout_s=300.0, poll_s=1.0)
+    except BaseException:
+        stop(proc)
+        raise
     return proc
 
 
@@ -46,61 +78,123 @@ def stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def bench(port: int, concurrency: int, args: argparse.Namespace, model: str | None) -> dict:
+def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    if args.num_prompts is not None:
+        return args.num_prompts
+    # vLLM's client: enough prompts to keep every slot busy twice over, without making the
+    # low concurrencies take minutes.
+    return 64 if args.client == "forerun" else max(8, 2 * concurrency)
+
+
+def bench_forerun(port: int, concurrency: int, n: int, args: argparse.Namespace) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, "-m", "forerun.cli", "bench", "serve",
-           "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(args.num_prompts),
+           "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(n),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--ignore-eos", "--max-concurrency", str(concurrency), "--disable-tqdm",
-           "--result-file", out]
-    if model:
-        cmd += ["--model", model]
+           "--result-file", out, "--model", MODEL_NAME]
     subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
     return json.loads(Path(out).read_text())
 
 
+def bench_vllm(port: int, concurrency: int, n: int, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [args.vllm_python, str(VLLM_CLIENT), "--backend", "openai",
+               "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+               "--model", MODEL_NAME, "--tokenizer", args.tokenizer,
+               "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--num-prompts", str(n),
+               "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+               # e2el too, so that the rows have the columns forerun's client gives
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
+               "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        out = Path(tmp) / "result.json"
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            raise RuntimeError(f"vllm bench serve failed (rc {proc.returncode}):\n{tail}")
+        return json.loads(out.read_text())
+
+
+def server_commands(args: argparse.Namespace
+                    ) -> dict[str, tuple[list[str], dict[str, str] | None]]:
+    servers: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+    for mode in ("on", "off"):
+        if f"forerun-{mode}" in args.servers:
+            servers[f"forerun async={mode}"] = (
+                [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype,
+                 "--async-scheduling", mode, "--max-model-len", "2048",
+                 "--served-model-name", MODEL_NAME], None)
+    if "vllm" in args.servers and args.vllm_python and args.vllm_model:
+        servers["vLLM CPU (sync)"] = (
+            [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+             args.vllm_model, "--dtype", args.dtype, "--max-model-len", "2048",
+             "--served-model-name", MODEL_NAME], VLLM_ENV)
+    return servers
+
+
+def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """forerun output tok/s over vLLM's, per concurrency (empty without a vLLM server)."""
+    vllm = {r["concurrency"]: r["output_tok_s"] for r in rows if r["server"].startswith("vLLM")}
+    out = []
+    for c, base in vllm.items():
+        line: dict[str, Any] = {"concurrency": c}
+        for r in rows:
+            if r["server"].startswith("forerun") and r["concurrency"] == c and base:
+                line[f"{r['server']} / vLLM"] = r["output_tok_s"] / base
+        out.append(line)
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--client", choices=("forerun", "vllm"), default="forerun",
+                    help="load generator: forerun bench serve or vllm bench serve")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None,
+                    help="default 1 8 32 (forerun client), 1 8 32 64 (vllm client)")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="default 64 (forerun client), max(8, 2 * concurrency) (vllm client)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--servers", nargs="+", choices=SERVER_KEYS, default=list(SERVER_KEYS))
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--vllm-model", default=None, help="HF folder of SmolLM2 for vLLM")
+    ap.add_argument("--tokenizer", default=None,
+                    help="HF folder for vllm bench serve's tokenizer (default: --vllm-model)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.concurrency is None:
+        args.concurrency = [1, 8, 32] if args.client == "forerun" else [1, 8, 32, 64]
+    args.tokenizer = args.tokenizer or args.vllm_model
+    if args.client == "vllm" and not (args.vllm_python and args.tokenizer):
+        ap.error("--client vllm needs --vllm-python and --tokenizer (or --vllm-model)")
+    bench = bench_forerun if args.client == "forerun" else bench_vllm
 
-    servers: dict[str, tuple[list[str], dict[str, str] | None, str | None]] = {}
-    for mode in ("on", "off"):
-        servers[f"forerun async={mode}"] = (
-            [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype,
-             "--async-scheduling", mode, "--max-model-len", "2048"], None, None)
-    if args.vllm_python and args.vllm_model:
-        servers["vLLM CPU (sync)"] = (
-            [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-             args.vllm_model, "--dtype", args.dtype, "--max-model-len", "2048"],
-            {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-            args.vllm_model)
     rows = []
-    for name, (cmd, env, model) in servers.items():
+    for name, (cmd, env) in server_commands(args).items():
         port = free_port()
         proc = start([*cmd, "--port", str(port)], port, env)
         try:
             for c in args.concurrency:
-                r = bench(port, c, args, model)
-                rows.append({"server": name, "concurrency": c,
-                             "output_tok_s": r["output_throughput"],
-                             "req_s": r["request_throughput"],
-                             "mean_ttft_ms": r["mean_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
-                             "mean_tpot_ms": r["mean_tpot_ms"], "mean_itl_ms": r["mean_itl_ms"],
-                             "mean_e2el_ms": r["mean_e2el_ms"], "failed": r["failed"]})
-                print(f"{name} c={c}: {r['output_throughput']:.1f} tok/s", flush=True)
+                n = num_prompts(args, c)
+                r = bench(port, c, n, args)
+                row = {"server": name, "concurrency": c, "num_prompts": n}
+                row.update({k: r.get(k) for k in ROW_KEYS})
+                row["output_tok_s"] = row.pop("output_throughput")
+                row["req_s"] = row.pop("request_throughput")
+                rows.append(row)
+                print(f"{name} c={c}: {row['output_tok_s']:.1f} tok/s", flush=True)
         finally:
             stop(proc)
-    print(markdown_table(rows, list(rows[0])))
-    print(f"\nwrote {write_json('serve.json', {'args': vars(args), 'rows': rows}, args.json)}")
+    print(markdown_table(rows, COLUMNS))
+    ratios = ratio_rows(rows)
+    if ratios:
+        print("\nforerun / vLLM, output tok/s:\n")
+        print(markdown_table(ratios, list(ratios[0])))
+    data = {"args": vars(args), "rows": rows, "ratios_vs_vllm": ratios}
+    print(f"\nwrote {write_json('serve.json', data, args.json)}")
 
 
 if __name__ == "__main__":

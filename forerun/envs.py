@@ -8,7 +8,7 @@ them per call).
 | ``FORERUN_CPU_KERNELS`` | ``1`` | ``0``: the model's pure-torch path instead of the C kernels |
 | ``FORERUN_CPU_PREPACK`` | ``1`` | ``0``: plain linear weights (no oneDNN reorder) |
 | ``FORERUN_SINGLE_OMP_TEAM`` | ``1`` | ``0``: leave the engine thread's torch thread count alone |
-| ``FORERUN_SMALL_BATCH_TOKENS`` | ``4`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
+| ``FORERUN_SMALL_BATCH_TOKENS`` | ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def single_omp_team_enabled() -> bool:
 
 def small_batch_tokens() -> int:
     """Largest step (in tokens) for the one-call small-batch path; 0 = off."""
-    value = os.environ.get("FORERUN_SMALL_BATCH_TOKENS", "4")
+    value = os.environ.get("FORERUN_SMALL_BATCH_TOKENS", "8")
     try:
         return max(0, int(value))
     except ValueError:
