@@ -31,7 +31,9 @@ from forerun.model.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.c"))
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.c"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -55,7 +57,7 @@ def _build(compiler: str, out_dir: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     key = hashlib.sha256(
-        "\0".join([*(src.read_text() for src in _SOURCES), " ".join(_FLAGS), version,
+        "\0".join([*(src.read_text() for src in [*_SOURCES, *_HEADERS]), " ".join(_FLAGS), version,
                    _cpu_identity(), platform.machine()]).encode()
     ).hexdigest()[:16]
     target = out_dir / f"forerun_kernels-{key}.so"

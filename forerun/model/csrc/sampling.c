@@ -8,21 +8,23 @@
  * What it avoids: the exponential race draws one random number per vocabulary entry, and
  * top-k/top-p by sorting the vocabulary costs a full sort per row. Here a row costs a few
  * vectorised passes (max, exp with block sums, the draw) plus, for top-k, a heap that
- * almost every element skips, and for top-p a weighted quickselect over the few tokens
- * that could be in the nucleus (a token whose probability is below (1 - top_p) / V cannot
- * be: all tokens at or below it hold less than 1 - top_p of the mass).
+ * almost every element skips, and for top-p one pass that brackets the nucleus's edge
+ * between two power-of-two cutoffs and a weighted quickselect over the tokens between
+ * them (a few percent of the nucleus, typically).
  *
  * Tie rules: top-k keeps every token equal to the k-th largest logit (like a sort-based
  * threshold); top-p orders by probability, then by lower token id.
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "row_argmax.h"
+
 #define BLOCK 256 /* elements per partial sum of the inverse-CDF walk */
-#define CHUNK 16  /* elements tested at once before the scalar path */
 
 typedef struct {
     float e;   /* unnormalised probability exp((x - max) / T) */
@@ -33,6 +35,7 @@ typedef struct {
     float *e;
     double *blocks;
     cand_t *cand;
+    cand_t *all;
     float *heap;
     int64_t cap;
 } scratch_t;
@@ -46,12 +49,14 @@ static int reserve(scratch_t *s, int64_t v) {
     free(s->e);
     free(s->blocks);
     free(s->cand);
+    free(s->all);
     free(s->heap);
     s->e = malloc(sizeof(float) * (size_t)v);
     s->blocks = malloc(sizeof(double) * (size_t)(v / BLOCK + 1));
     s->cand = malloc(sizeof(cand_t) * (size_t)v);
+    s->all = malloc(sizeof(cand_t) * (size_t)v);
     s->heap = malloc(sizeof(float) * (size_t)v);
-    if (!s->e || !s->blocks || !s->cand || !s->heap) {
+    if (!s->e || !s->blocks || !s->cand || !s->all || !s->heap) {
         s->cap = 0;
         return -1;
     }
@@ -64,16 +69,6 @@ static inline int is_neg_inf_or_nan(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
     return u == 0xff800000u || (u & 0x7fffffffu) > 0x7f800000u;
-}
-
-static int64_t row_argmax(const float *x, int64_t v, float *max_out) {
-    float m = x[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < v; ++i) m = x[i] > m ? x[i] : m;
-    int64_t idx = 0;
-    while (idx < v && !(x[idx] == m)) ++idx;
-    *max_out = m;
-    return idx < v ? idx : 0;
 }
 
 static void sift_down(float *h, int64_t n, int64_t i) {
@@ -95,18 +90,20 @@ static float kth_largest(const float *x, int64_t v, int64_t k, float *h) {
     memcpy(h, x, sizeof(float) * (size_t)k);
     for (int64_t i = k / 2 - 1; i >= 0; --i) sift_down(h, k, i);
     int64_t i = k;
-    for (; i + CHUNK <= v; i += CHUNK) {
-        const float lo = h[0];
-        int any = 0;
-        for (int j = 0; j < CHUNK; ++j) any |= x[i + j] > lo;
-        if (!any) continue;
-        for (int j = 0; j < CHUNK; ++j) {
-            if (x[i + j] > h[0]) {
-                h[0] = x[i + j];
+#if defined(__AVX512F__)
+    for (; i + 16 <= v; i += 16) {
+        __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(h[0]),
+                                           _CMP_GT_OQ);
+        while (hit) {
+            const int64_t t = i + __builtin_ctz(hit);
+            hit &= hit - 1;
+            if (x[t] > h[0]) {
+                h[0] = x[t];
                 sift_down(h, k, 0);
             }
         }
     }
+#endif
     for (; i < v; ++i) {
         if (x[i] > h[0]) {
             h[0] = x[i];
@@ -114,6 +111,40 @@ static float kth_largest(const float *x, int64_t v, int64_t k, float *h) {
         }
     }
     return h[0];
+}
+
+#define NUM_CUTS 16 /* cutoffs 2^-1 .. 2^-16 of the largest probability */
+#define CUT_MARGIN 1e-3 /* covers the rounding of mass_below_cuts' float sums */
+#define NO_HI 2.f      /* above any probability (the largest is 1); finite for -ffast-math */
+
+/* below[j] = the mass of the tokens with e < 2^-(j+1) (the largest e is 1), for j < NUM_CUTS,
+ * in one vectorised pass with a float accumulator per cutoff and lane. */
+static void mass_below_cuts(const float *e, int64_t v, double below[NUM_CUTS]) {
+#if defined(__AVX512F__)
+    __m512 acc[NUM_CUTS], cut[NUM_CUTS];
+    for (int j = 0; j < NUM_CUTS; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        cut[j] = _mm512_set1_ps(ldexpf(1.f, -(j + 1)));
+    }
+    int64_t i = 0;
+    for (; i + 16 <= v; i += 16) {
+        const __m512 x = _mm512_loadu_ps(e + i);
+        for (int j = 0; j < NUM_CUTS; ++j)
+            acc[j] = _mm512_mask_add_ps(acc[j], _mm512_cmp_ps_mask(x, cut[j], _CMP_LT_OQ),
+                                        acc[j], x);
+    }
+    for (int j = 0; j < NUM_CUTS; ++j) {
+        below[j] = _mm512_reduce_add_ps(acc[j]);
+        const float c = ldexpf(1.f, -(j + 1));
+        for (int64_t r = i; r < v; ++r)
+            if (e[r] < c) below[j] += e[r];
+    }
+#else
+    for (int j = 0; j < NUM_CUTS; ++j) below[j] = 0.0;
+    for (int64_t r = 0; r < v; ++r)
+        for (int j = 0; j < NUM_CUTS; ++j)
+            if (e[r] < ldexpf(1.f, -(j + 1))) below[j] += e[r];
+#endif
 }
 
 static inline int ranks_before(cand_t a, cand_t b) {
@@ -198,41 +229,76 @@ static int64_t sample_row(const float *x, int64_t v, float temperature, int64_t 
     }
     if (!(total > 0.0)) return best;
     if (top_p < 1.f) {
-        const float floor_e = (float)((1.0 - (double)top_p) * total / (double)v);
-        cand_t *c = s->cand;
-        int64_t n = 0, i = 0;
-        for (; i + CHUNK <= v; i += CHUNK) {
-            int any = 0;
-            for (int j = 0; j < CHUNK; ++j) any |= e[i + j] >= floor_e && e[i + j] > 0.f;
-            if (!any) continue;
-            for (int j = 0; j < CHUNK; ++j) {
-                const float ej = e[i + j];
-                if (ej >= floor_e && ej > 0.f) c[n++] = (cand_t){ej, (int32_t)(i + j)};
+        /* Bracket the nucleus's last token by cutoffs of the largest probability: a token
+         * below a cutoff under which at most 1 - top_p of the mass lies is never in it
+         * (neither is any token below (1 - top_p) * total / V: all V of them together
+         * hold less); a token at or above a cutoff under which more lies always is. Only
+         * the tokens between the two go through the selection. */
+        const double allowed = (1.0 - (double)top_p) * total;
+        double below[NUM_CUTS];
+        mass_below_cuts(e, v, below);
+        float lo = (float)(allowed / (double)v), hi = NO_HI;
+        for (int j = NUM_CUTS - 1; j >= 0; --j) {
+            const float cut = ldexpf(1.f, -(j + 1));
+            if (below[j] <= allowed * (1.0 - CUT_MARGIN)) {
+                if (cut > lo) lo = cut;
+            } else if (below[j] >= allowed * (1.0 + CUT_MARGIN) && cut < hi) {
+                hi = cut;
             }
         }
-        for (; i < v; ++i)
-            if (e[i] >= floor_e && e[i] > 0.f) c[n++] = (cand_t){e[i], (int32_t)i};
-        const int64_t kept = select_nucleus(c, n, (double)top_p * total);
-        if (kept == 0) return best;
-        cand_t last = c[0]; /* the nucleus's lowest-ranked token: the threshold */
-        for (int64_t j = 1; j < kept; ++j)
-            if (ranks_before(last, c[j])) last = c[j];
-        /* Drop everything ranked below it, then draw as without top-p: walking the tokens in
-         * id order gives the same token as the torch path for the same uniform. */
-        total = 0.0;
-        for (int64_t b = 0; b < nblocks; ++b) {
-            const int64_t i0 = b * BLOCK, i1 = i0 + BLOCK < v ? i0 + BLOCK : v;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t i = i0; i < i1; ++i) {
-                const float kept_e =
-                    (e[i] > last.e || (e[i] == last.e && i <= last.i)) ? e[i] : 0.f;
-                e[i] = kept_e;
-                acc += kept_e;
+        if (hi <= lo) hi = NO_HI;
+        /* One pass keeps, in id order, every token that may be in the nucleus (all), and
+         * apart the ones whose membership is open (band). */
+        cand_t *all = s->all, *band = s->cand;
+        double sure = 0.0; /* mass of the tokens at or above hi, all kept */
+        int64_t n_all = 0, n_band = 0, i = 0;
+#if defined(__AVX512F__)
+        const __m512 lo_v = _mm512_set1_ps(lo);
+        for (; i + 16 <= v; i += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(e + i), lo_v, _CMP_GE_OQ);
+            while (hit) {
+                const int64_t t = i + __builtin_ctz(hit);
+                hit &= hit - 1;
+                all[n_all++] = (cand_t){e[t], (int32_t)t};
+                if (e[t] >= hi) sure += e[t];
+                else band[n_band++] = (cand_t){e[t], (int32_t)t};
             }
-            blocks[b] = acc;
-            total += acc;
         }
+#endif
+        for (; i < v; ++i) {
+            if (!(e[i] >= lo)) continue;
+            all[n_all++] = (cand_t){e[i], (int32_t)i};
+            if (e[i] >= hi) sure += e[i];
+            else band[n_band++] = (cand_t){e[i], (int32_t)i};
+        }
+        const int64_t kept = select_nucleus(band, n_band, (double)top_p * total - sure);
+        /* The nucleus's lowest-ranked token, the threshold; without one in the band, every
+         * token at or above hi. */
+        cand_t last = {hi, INT32_MAX};
+        double mass = sure;
+        if (kept > 0) {
+            last = band[0];
+            for (int64_t j = 0; j < kept; ++j) {
+                mass += band[j].e;
+                if (ranks_before(last, band[j])) last = band[j];
+            }
+        } else if (hi == NO_HI) {
+            return best;
+        }
+        /* The draw walks the kept tokens in id order, as the torch path walks its
+         * cumulative sum, so both pick the same token for the same uniform. */
+        const double target = u * mass;
+        double acc = 0.0;
+        int64_t pick = best;
+        for (int64_t j = 0; j < n_all; ++j) {
+            const cand_t t = all[j];
+            if (t.e > last.e || (t.e == last.e && t.i <= last.i)) {
+                acc += t.e;
+                pick = t.i;
+                if (acc > target) return t.i;
+            }
+        }
+        return pick; /* rounding left the target unreached: the last kept token */
     }
     const double target = u * total;
     double acc = 0.0;
