@@ -142,3 +142,17 @@ def test_uniforms_depend_only_on_key_and_counter() -> None:
     assert 0.0 <= u.min() and u.max() < 1.0
     # Uniform on [0, 1): the ten deciles hold equal shares (chi-square, 9 dof).
     assert chisquare(np.bincount((u * 10).astype(int), minlength=10)).pvalue > 1e-3
+
+
+@pytest.mark.skipif("c" not in PATHS, reason="no C kernels on this machine")
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.75])
+def test_c_kernel_breaks_top_p_ties_by_lower_token_id(top_p: float) -> None:
+    # Four equal logits straddle each nucleus edge: the lower ids among them are kept.
+    row = np.array([2.0] * 4 + [1.0] * 4 + [0.0] * 8, dtype=np.float32)
+    p = exact_distribution(row, temperature=1.0, top_p=top_p)
+    logits = torch.from_numpy(row).expand(DRAWS, len(row)).contiguous()
+    tokens = _draw("c", logits, _meta(DRAWS, temperature=1.0, top_p=top_p)).numpy()
+    counts = np.bincount(tokens, minlength=len(row))
+    support = p > 0
+    assert counts[~support].sum() == 0 and support.sum() >= 2
+    assert chisquare(counts[support], p[support] / p[support].sum() * DRAWS).pvalue > 1e-3
