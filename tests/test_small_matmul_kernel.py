@@ -2,9 +2,9 @@
 
 The kernel accumulates in float32 and rounds once to the storage type, so the bound is the
 float32 summation error for float32 and one bfloat16 rounding of the result for bfloat16.
-Shapes cover the register-blocked fast path (k a multiple of 32, four weight rows, one to
-four rows of x) and every remainder: rows of x past four, weight rows past a multiple of
-four, and k with a tail.
+Shapes cover every register-blocked row count of x (one to eight, and past eight), output
+columns past a multiple of the block (four for float32, sixteen for bfloat16's packed
+layout), and float32's k with a tail.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize(("n", "k"), [(64, 576), (67, 576), (40, 100), (3, 33)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize(("n", "k"), [(64, 576), (67, 576), (40, 100), (3, 34)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_matmul_matches_float64(dtype: torch.dtype, m: int, n: int, k: int,
                                       with_bias: bool) -> None:
@@ -29,7 +29,7 @@ def test_small_matmul_matches_float64(dtype: torch.dtype, m: int, n: int, k: int
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
-    got = cpu_kernels.small_matmul(x, w, b)
+    got = cpu_kernels.small_matmul(x, cpu_kernels.pack_small_matmul_weight(w), b)
     ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
     assert got.dtype == dtype and got.shape == (m, n)
     err = (got.double() - ref).abs()
@@ -41,4 +41,10 @@ def test_small_matmul_matches_float64(dtype: torch.dtype, m: int, n: int, k: int
 def test_small_matmul_keeps_leading_dimensions() -> None:
     x = torch.randn(2, 1, 64)
     w = torch.randn(10, 64)
-    torch.testing.assert_close(cpu_kernels.small_matmul(x, w, None), x @ w.T)
+    torch.testing.assert_close(
+        cpu_kernels.small_matmul(x, cpu_kernels.pack_small_matmul_weight(w), None), x @ w.T)
+
+
+def test_bfloat16_packing_needs_an_even_inner_dimension() -> None:
+    with pytest.raises(ValueError, match="even inner dimension"):
+        cpu_kernels.pack_small_matmul_weight(torch.zeros(4, 33, dtype=torch.bfloat16))

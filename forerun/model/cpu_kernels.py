@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -264,16 +265,43 @@ def decoder_stack(dtype: torch.dtype) -> ctypes._CFuncPtr:
     return _fn("decoder_stack", dtype)
 
 
-def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+@dataclass(slots=True)
+class SmallMatmulWeight:
+    """A linear weight ``[n, k]`` as :func:`small_matmul` reads it: the plain tensor in
+    float32; in bfloat16 a copy packed for AVX512-BF16 dot products,
+    ``[ceil(n / 16), k / 2, 16, 2]`` (see csrc/small_matmul.c)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+
+def pack_small_matmul_weight(weight: torch.Tensor) -> SmallMatmulWeight:
+    """The form of ``weight`` ``[n, k]`` that :func:`small_matmul` reads (bfloat16 needs an
+    even ``k``)."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16:
+        return SmallMatmulWeight(weight.detach().contiguous(), n, k)
+    if k % 2:
+        raise ValueError(f"bfloat16 small matmul needs an even inner dimension, got {k}")
+    blocks = -(-n // 16)
+    padded = weight.new_zeros(blocks * 16, k)
+    padded[:n] = weight.detach()
+    data = padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return SmallMatmulWeight(data, n, k)
+
+
+def small_matmul(x: torch.Tensor, weight: SmallMatmulWeight, bias: torch.Tensor | None
                  ) -> torch.Tensor:
-    """``x @ weight.T + bias`` for contiguous ``x`` ``[..., k]`` with few rows and a plain
-    row-major ``weight`` ``[n, k]``, streaming the weight once for all rows."""
-    k = x.shape[-1]
-    n = weight.shape[0]
-    assert x.is_contiguous() and weight.is_contiguous() and weight.shape[1] == k
-    assert x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+    """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` with few rows, streaming the
+    weight once for all rows."""
+    k, n = weight.k, weight.n
+    assert x.is_contiguous() and x.shape[-1] == k and x.dtype == weight.data.dtype
+    assert bias is None or bias.dtype == x.dtype
     out = x.new_empty(*x.shape[:-1], n)
-    _fn("small_matmul", x.dtype)(x.data_ptr(), weight.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 x.numel() // k, n, k)
+    rc = _fn("small_matmul", x.dtype)(x.data_ptr(), weight.data.data_ptr(),
+                                      None if bias is None else bias.data_ptr(),
+                                      out.data_ptr(), x.numel() // k, n, k)
+    if rc != 0:
+        raise MemoryError("small matmul could not allocate its scratch space")
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from forerun.model import cpu_kernels
 from forerun.model.attention import AttentionMetadata, KVCache, paged_attention
 from forerun.model.base import CausalLM, Shard
 from forerun.model.config import ModelConfig
@@ -162,8 +161,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.small_batch.applies(hidden):
-            head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-            return cpu_kernels.small_matmul(hidden.contiguous(), head, None).float()
+            return self.small_batch.logits(hidden)
         if self.packed_tied_head is not None:
             return self.packed_tied_head(hidden).float()
         if self.lm_head is not None:
@@ -171,6 +169,7 @@ class LlamaForCausalLM(CausalLM):
         return (hidden @ self.model.embed_tokens.weight.t()).float()
 
     def prepack(self) -> int:
+        self.small_batch.pack()  # from the plain weights, which prepacking drops
         n = prepack_linears(self)
         if self.lm_head is None:
             self.packed_tied_head = PackedLinear(self.model.embed_tokens.weight, None)

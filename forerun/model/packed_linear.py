@@ -4,9 +4,9 @@
 its blocked layout on every call. For decode-sized inputs (a few to a few dozen rows) that
 repacking is a large part of the matmul: measured on the 2-core machine, a pre-reordered
 bf16 weight is 1.1-1.2x faster at 64 rows and 1.5-1.8x faster at 1-7 rows, the shapes of
-low-concurrency serving. The reorder changes no result in bf16. The plain weight is kept
-too: the small-batch path (``forerun/model/small_batch.py``) streams it row by row, which
-beats any matmul library at one to four rows; the linear weights are held twice.
+low-concurrency serving. The reorder costs memory only while loading (the plain weight is
+dropped afterwards) and changes no result in bf16. (The small-batch path keeps a copy of its
+own, packed for its kernel: ``forerun/model/small_batch.py``.)
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ class PackedLinear(nn.Module):
         # Plain attributes, not parameters or buffers: the opaque oneDNN tensor must not be
         # moved, cast or saved by nn.Module machinery.
         self.packed_weight = _reorder(weight)
-        self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from forerun.model.llama import LlamaForCausalLM
 
 _NUM_LAYER_PTRS = 12  # the enum at the top of decoder_stack.c
+_MAX_TABLES = 8
 
 
 class _StackArgs(ctypes.Structure):
@@ -51,68 +52,95 @@ def _addr(t: torch.Tensor | None) -> int:
 class SmallBatchStack:
     """Runs a Llama-family model's decoder layers for a small step in one C call.
 
-    The table of weight addresses is built on first use (after loading and prepacking, when
-    the weights no longer move); the KV cache addresses are filled in per cache list, since
-    several engines in one process share the model but not their caches.
+    :meth:`pack` takes each linear weight into the form the small matmul reads (in bfloat16
+    a copy packed for its dot products; in float32 the weight itself), before the model's
+    prepack drops the plain weights; the table of addresses is built from those copies on
+    first use. The KV cache addresses are filled in per cache list, since several engines in
+    one process share the model but not their caches.
     """
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         cfg = model.config
+        self._linears: dict[str, cpu_kernels.SmallMatmulWeight] | None = None
         self._weights: torch.Tensor | None = None  # [L, 12] int64 addresses
-        self._tables: dict[int, torch.Tensor] = {}  # id(first K cache) -> full table
-        self._keep: list[torch.Tensor] = []  # weights made contiguous for the table
+        # The caches' addresses -> the full table; a few entries (one per engine in use).
+        self._tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._args = _StackArgs(
             hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
             scale=cfg.head_dim ** -0.5)
+        # bfloat16 packs column pairs: every inner dimension must be even.
+        self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
+                                              cfg.num_attention_heads * cfg.head_dim))
 
     def applies(self, x: torch.Tensor) -> bool:
         """True if a step whose embeddings are ``x`` ``[T, hidden]`` takes this path."""
         return (x.dim() == 2 and x.shape[0] <= envs.small_batch_tokens()
+                and (self._even or x.dtype == torch.float32)
                 and cpu_kernels.supports(x.dtype, x.device))
 
-    def _plain(self, t: torch.Tensor | None, dtype: torch.dtype) -> int:
-        if t is None:
-            return 0
-        assert t.dtype == dtype, f"weight of dtype {t.dtype} in a {dtype} model"
-        if not t.is_contiguous():
-            t = t.contiguous()
-            self._keep.append(t)
-        return t.data_ptr()
+    def pack(self) -> None:
+        """Take every linear weight (and the output head) into the small matmul's form;
+        needs the plain weights, so it runs before they are reordered for oneDNN."""
+        if self._linears is not None:
+            return
+        linears: dict[str, cpu_kernels.SmallMatmulWeight] = {}
+        for i, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
+                                 ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                linears[f"{i}.{name}"] = cpu_kernels.pack_small_matmul_weight(module.weight)
+        head = self.model.lm_head
+        linears["head"] = cpu_kernels.pack_small_matmul_weight(
+            head.weight if head is not None else self.model.model.embed_tokens.weight)
+        self._linears = linears
 
-    def _weight_table(self, dtype: torch.dtype) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of a few hidden rows through the packed output head."""
+        self.pack()
+        assert self._linears is not None
+        return cpu_kernels.small_matmul(hidden.contiguous(), self._linears["head"], None).float()
+
+    def _weight_table(self) -> torch.Tensor:
         if self._weights is None:
+            self.pack()
+            assert self._linears is not None
+            lin = self._linears
             rows = []
-            for layer in self.model.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
+            for i, layer in enumerate(self.model.model.layers):
+                attn = layer.self_attn
                 rows.append([
-                    self._plain(layer.input_layernorm.weight, dtype),
-                    self._plain(attn.qkv_proj.weight, dtype),
-                    self._plain(attn.qkv_proj.bias, dtype),
-                    self._plain(attn.q_norm.weight if attn.q_norm is not None else None, dtype),
-                    self._plain(attn.k_norm.weight if attn.k_norm is not None else None, dtype),
-                    self._plain(attn.o_proj.weight, dtype),
-                    self._plain(attn.o_proj.bias, dtype),
-                    self._plain(layer.post_attention_layernorm.weight, dtype),
-                    self._plain(mlp.gate_up_proj.weight, dtype),
-                    self._plain(mlp.down_proj.weight, dtype),
+                    _addr(layer.input_layernorm.weight),
+                    _addr(lin[f"{i}.qkv"].data),
+                    _addr(attn.qkv_proj.bias),
+                    _addr(attn.q_norm.weight if attn.q_norm is not None else None),
+                    _addr(attn.k_norm.weight if attn.k_norm is not None else None),
+                    _addr(lin[f"{i}.o"].data),
+                    _addr(attn.o_proj.bias),
+                    _addr(layer.post_attention_layernorm.weight),
+                    _addr(lin[f"{i}.gate_up"].data),
+                    _addr(lin[f"{i}.down"].data),
                     0, 0,
                 ])
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
                 -1, _NUM_LAYER_PTRS)
         return self._weights
 
-    def _layer_table(self, kv_caches: list[KVCache], dtype: torch.dtype) -> torch.Tensor:
-        key = id(kv_caches[0][0]) if kv_caches else 0
+    def _layer_table(self, kv_caches: list[KVCache]) -> torch.Tensor:
+        # Keyed by every address, not by object identity: a freed cache's memory can come
+        # back as another engine's, layer by layer at different places.
+        key = tuple(t.data_ptr() for kv in kv_caches for t in kv)
         table = self._tables.get(key)
-        if table is None or (kv_caches and table[0, 10] != kv_caches[0][0].data_ptr()):
-            table = self._weight_table(dtype).clone()
+        if table is None:
+            table = self._weight_table().clone()
             for i, (k, v) in enumerate(kv_caches):
                 assert k.is_contiguous() and v.is_contiguous()
                 table[i, 10] = k.data_ptr()
                 table[i, 11] = v.data_ptr()
+            if len(self._tables) >= _MAX_TABLES:
+                self._tables.pop(next(iter(self._tables)))
             self._tables[key] = table
         return table
 
@@ -120,7 +148,7 @@ class SmallBatchStack:
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """The final-normed hidden states ``[T, hidden]`` of embeddings ``x`` (overwritten)."""
         x = x.contiguous()
-        table = self._layer_table(kv_caches, x.dtype)
+        table = self._layer_table(kv_caches)
         token_seq, token_len = meta.token_indices()
         block_tables = meta.block_tables
         if block_tables.stride(1) != 1:
