@@ -92,19 +92,11 @@ def decode_weight_bytes() -> dict[str, Any]:
 
     info = resolve_model_info(EngineConfig(model=None))
     model = shared_model(info, torch.bfloat16, torch.device("cpu"))
-    seen: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, mod in model.named_modules():
-        w = getattr(mod, "weight", None)
-        # 2-D weights of linear modules (nn.Linear or PackedLinear, whose plain `.weight`
-        # is not in the state dict); the embedding lookup reads one row, not the matrix.
-        if isinstance(w, torch.Tensor) and w.dim() == 2 and not isinstance(mod, torch.nn.Embedding):
-            seen.setdefault(w.data_ptr(), (name, w))
-    has_head = any(w.shape[0] == info.vocab_size for _, w in seen.values())
-    if not has_head:  # a tied head computed straight from the embedding matrix
-        emb = model.get_input_embeddings().weight
-        seen.setdefault(emb.data_ptr(), ("embed_tokens (tied head)", emb))
-    total = sum(w.numel() * w.element_size() for _, w in seen.values())
-    return {"bytes": total, "num_matrices": len(seen), "dtype": "bfloat16",
+    # What the small-batch path streams per step: its packed copy of every linear weight
+    # and of the vocabulary projection (padding to 16 rows included).
+    total = model.small_batch.streamed_bytes()
+    num = 4 * len(model.model.layers) + 1
+    return {"bytes": total, "num_matrices": num, "dtype": "bfloat16",
             "counted": "linear weights of every layer + vocabulary projection; no norms, "
                        "no KV cache"}
 
@@ -134,10 +126,11 @@ def stream_rates(weight_bytes: int, threads: int) -> dict[str, float]:
         gc.collect()
         k = 576
         if cpu_kernels.supports(torch.bfloat16, torch.device("cpu")):
-            w = torch.ones(nbytes // (2 * k), k, dtype=torch.bfloat16)
+            w = cpu_kernels.pack_small_matmul_weight(
+                torch.ones(nbytes // (2 * k), k, dtype=torch.bfloat16))
             x = torch.randn(1, k).to(torch.bfloat16)
             rates["small_matmul_gb_s"] = _best_rate(
-                lambda: cpu_kernels.small_matmul(x, w, None), w.numel() * 2) / 1e9
+                lambda: cpu_kernels.small_matmul(x, w, None), w.data.numel() * 2) / 1e9
             del w
             gc.collect()
     finally:

@@ -97,6 +97,12 @@ class SmallBatchStack:
             head.weight if head is not None else self.model.model.embed_tokens.weight)
         self._linears = linears
 
+    def streamed_bytes(self) -> int:
+        """Bytes of linear weights (output head included) one step of this path reads."""
+        self.pack()
+        assert self._linears is not None
+        return sum(w.data.numel() * w.data.element_size() for w in self._linears.values())
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of a few hidden rows through the packed output head."""
         self.pack()
