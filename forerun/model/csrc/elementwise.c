@@ -11,37 +11,24 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "row_argmax.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE float ld(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE uint16_t to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* nearest even, like torch */
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 INLINE void st(void *p, int64_t i, float x, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = to_bf16(x);
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(x);
     else ((float *)p)[i] = x;
 }
 
 /* What storing x in the tensor's dtype and reading it back gives. */
 INLINE float round_to(float x, int bf16) {
     if (!bf16) return x;
-    uint32_t u = (uint32_t)to_bf16(x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    return bf16_to_f32(f32_to_bf16(x));
 }
 
 INLINE void add_rms_norm_rows(void *x, void *residual, const void *weight, int64_t rows,

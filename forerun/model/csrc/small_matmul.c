@@ -12,23 +12,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define INLINE static inline __attribute__((always_inline))
 #define WROWS 4 /* weight rows per block */
 #define XROWS 4 /* rows of x per pass over a block */
-
-INLINE float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE uint16_t f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* ---- float32 ---------------------------------------------------------------------------- */
 static void block_f32(const float *x, int64_t m, const float *w, int64_t rows, int64_t k,
