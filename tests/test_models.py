@@ -334,3 +334,20 @@ def test_gguf_loading_matches(tiny, tmp_path: Path) -> None:
     with torch.inference_mode():
         got = PagedDriver(ours).step([("a", PROMPT)])[0]
     torch.testing.assert_close(got, _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_small_batch_path_off_at_load_keeps_no_copy_and_stays_off(
+        tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf, _, folder = tiny
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "0")
+    source = resolve_model(str(folder))
+    ours = load_model(source, load_model_config(source), torch.bfloat16, CPU)
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "8")  # too late: the weights are gone
+    x = torch.zeros(1, ours.config.hidden_size, dtype=torch.bfloat16)
+    assert not ours.small_batch.applies(x)
+    driver = PagedDriver(ours)
+    with torch.inference_mode():
+        got = driver.step([("a", PROMPT[:6])])[0]
+        got = torch.cat([got] + [driver.step([("a", [t])])[0] for t in PROMPT[6:]])
+    ref = _hf_logits(hf, PROMPT)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max() + 0.05

@@ -113,6 +113,8 @@ def _load() -> ctypes.CDLL | None:
                                    _i64]
     lib.argmax_rows_f32.restype = ctypes.c_int
     lib.argmax_rows_f32.argtypes = [_ptr, _ptr, _i64, _i64]
+    lib.small_matmul_bf16_is_fast.restype = ctypes.c_int
+    lib.small_matmul_bf16_is_fast.argtypes = []
     lib.sample_rows_f32.restype = ctypes.c_int
     lib.sample_rows_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
     return lib
@@ -257,6 +259,15 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if rc != 0:
         raise MemoryError("sampling could not allocate its scratch space")
     return out
+
+
+def small_matmul_is_fast(dtype: torch.dtype) -> bool:
+    """True if :func:`small_matmul` has a vectorised body for ``dtype`` on this CPU (float32
+    always; bfloat16 where the CPU has AVX512-BF16)."""
+    if dtype == torch.float32:
+        return True
+    lib = kernel_library()
+    return lib is not None and dtype == torch.bfloat16 and lib.small_matmul_bf16_is_fast() == 1
 
 
 def decoder_stack(dtype: torch.dtype) -> ctypes._CFuncPtr:

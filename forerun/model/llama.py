@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from forerun import envs
+from forerun.model import cpu_kernels
 from forerun.model.attention import AttentionMetadata, KVCache, paged_attention
 from forerun.model.base import CausalLM, Shard
 from forerun.model.config import ModelConfig
@@ -169,7 +171,13 @@ class LlamaForCausalLM(CausalLM):
         return (hidden @ self.model.embed_tokens.weight.t()).float()
 
     def prepack(self) -> int:
-        self.small_batch.pack()  # from the plain weights, which prepacking drops
+        # The small-batch path packs its copy from the plain weights, which prepacking drops;
+        # where it cannot run, no copy is made and the path stays off.
+        dtype = self.model.embed_tokens.weight.dtype
+        if envs.small_batch_tokens() > 0 and cpu_kernels.small_matmul_is_fast(dtype):
+            self.small_batch.pack()
+        else:
+            self.small_batch.available = False
         n = prepack_linears(self)
         if self.lm_head is None:
             self.packed_tied_head = PackedLinear(self.model.embed_tokens.weight, None)

@@ -71,15 +71,18 @@ class SmallBatchStack:
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
             scale=cfg.head_dim ** -0.5)
+        # False once prepacking dropped the plain weights without a packed copy here.
+        self.available = True
         # bfloat16 packs column pairs: every inner dimension must be even.
         self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
                                               cfg.num_attention_heads * cfg.head_dim))
 
     def applies(self, x: torch.Tensor) -> bool:
         """True if a step whose embeddings are ``x`` ``[T, hidden]`` takes this path."""
-        return (x.dim() == 2 and x.shape[0] <= envs.small_batch_tokens()
+        return (self.available and x.dim() == 2 and x.shape[0] <= envs.small_batch_tokens()
                 and (self._even or x.dtype == torch.float32)
-                and cpu_kernels.supports(x.dtype, x.device))
+                and cpu_kernels.supports(x.dtype, x.device)
+                and cpu_kernels.small_matmul_is_fast(x.dtype))
 
     def pack(self) -> None:
         """Take every linear weight (and the output head) into the small matmul's form;

@@ -139,6 +139,16 @@ static void store_block(uint16_t *y, const float *out, const uint16_t *bias, int
                 f32_to_bf16(out[i * NB + c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.f));
 }
 
+/* 1 where the bf16 kernel has its AVX512-BF16 body; elsewhere its scalar fallback is slower
+ * than a matmul library, and the small-batch path stays off in bf16. */
+int small_matmul_bf16_is_fast(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y [m, n] = x [m, k] @ w.T (+ bias), w packed as above; k even. */
 int small_matmul_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
                       uint16_t *y, int64_t m, int64_t n, int64_t k) {
