@@ -1,5 +1,6 @@
 /* Fused per-token elementwise kernels of the decoder layer (CPU): residual add + RMSNorm,
- * SiLU-and-multiply, rotary embedding.
+ * SiLU-and-multiply, rotary embedding. Rows are split across threads; a single row (a
+ * decode step of one sequence) runs on the calling thread without waking the team.
  *
  * Each replaces a chain of torch ops that would each read and write the whole activation
  * (and, in bf16, convert it to float32 and back) with one pass over it, computed in
@@ -33,7 +34,7 @@ INLINE float round_to(float x, int bf16) {
 
 INLINE void add_rms_norm_rows(void *x, void *residual, const void *weight, int64_t rows,
                               int64_t dim, float eps, int bf16) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t base = r * dim;
         float ss = 0.f;
@@ -73,7 +74,7 @@ int rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *weight, int64
 }
 
 INLINE void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t in = r * 2 * d, o = r * d;
 #pragma omp simd
@@ -98,7 +99,7 @@ int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int6
 INLINE void rotary_rows(void *x, int64_t tokens, int64_t heads, int64_t row_stride,
                         int64_t head_dim, const float *cos, const float *sin, int bf16) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; ++t) {
         const float *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < heads; ++h) {
