@@ -38,6 +38,7 @@ _HEADERS = sorted(_CSRC.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_bf16_fast: bool | None = None  # small_matmul_is_fast(bfloat16), once known
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64 = ctypes.c_int64
@@ -266,8 +267,13 @@ def small_matmul_is_fast(dtype: torch.dtype) -> bool:
     always; bfloat16 where the CPU has AVX512-BF16)."""
     if dtype == torch.float32:
         return True
-    lib = kernel_library()
-    return lib is not None and dtype == torch.bfloat16 and lib.small_matmul_bf16_is_fast() == 1
+    if dtype != torch.bfloat16:
+        return False
+    global _bf16_fast
+    if _bf16_fast is None:  # asked every step: one ctypes call per process
+        lib = kernel_library()
+        _bf16_fast = lib is not None and lib.small_matmul_bf16_is_fast() == 1
+    return _bf16_fast
 
 
 def decoder_stack(dtype: torch.dtype) -> ctypes._CFuncPtr:

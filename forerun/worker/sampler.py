@@ -116,7 +116,7 @@ class Sampler:
     @staticmethod
     def _sample_torch(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         assert meta.uniforms is not None
-        greedy = argmax_rows(logits)
+        greedy = None if meta.all_random or meta.greedy_mask is None else argmax_rows(logits)
         logits = logits / meta.temperature.unsqueeze(1)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
@@ -127,7 +127,7 @@ class Sampler:
         # is never one of them.
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
         sampled = sampled.clamp_(max=logits.shape[-1] - 1)
-        if meta.all_random or meta.greedy_mask is None:
+        if greedy is None:
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
 
