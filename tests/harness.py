@@ -183,7 +183,7 @@ class Harness:
         s, kv = self.scheduler, self.kv
         assert not s.requests and not s.running and not s.waiting
         assert not self.in_flight and not self.engine.batch_queue
-        assert not s.deferred_frees
+        assert not kv.deferred_frees
         assert not kv.req_to_blocks and not kv.num_cached_block
         assert kv.num_free_blocks == self.num_blocks
         assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
@@ -249,12 +249,13 @@ def check_invariants(h: Harness) -> None:
             refs[b.block_id] += 1
             holders.setdefault(b.block_id, set()).add(rid)
     deferred_ids: set[int] = set()
-    fences = [fence for fence, _ in s.deferred_frees]
+    fences = [fence for fence, _ in kv.deferred_frees]
     assert fences == sorted(fences)
     assert not fences or fences[0] > s.processed_step_seq
+    assert not fences or fences[-1] <= s.sched_step_seq
     if not s.defer_block_free:
-        assert not s.deferred_frees
-    for _, blocks in s.deferred_frees:
+        assert not kv.deferred_frees
+    for _, blocks in kv.deferred_frees:
         for b in blocks:
             refs[b.block_id] += 1
             deferred_ids.add(b.block_id)

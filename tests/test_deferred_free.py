@@ -25,7 +25,7 @@ def prompt(i: int, n: int) -> list[int]:
 
 
 def parked_ids(h: Harness) -> list[list[int]]:
-    return [sorted(b.block_id for b in blocks) for _, blocks in h.scheduler.deferred_frees]
+    return [sorted(b.block_id for b in blocks) for _, blocks in h.kv.deferred_frees]
 
 
 def free_ids(h: Harness) -> set[int]:
@@ -42,14 +42,14 @@ def test_eos_finish_with_a_step_in_flight_defers_until_that_step_is_processed():
     h.step()  # schedules step 2 (decode, placeholder), processes step 1: EOS
     assert h.finish_reason["r"] == "stop"
     # Step 2 is still in flight and would write r's last block: parked behind fence 2.
-    assert [fence for fence, _ in h.scheduler.deferred_frees] == [2]
+    assert [fence for fence, _ in h.kv.deferred_frees] == [2]
     assert parked_ids(h) == [r_blocks]
     assert h.kv.num_free_blocks == 1
     # A newcomer needing three blocks cannot take them while step 2 runs.
     h.add(make_request("b", prompt(1, 9), 2, BS))
     h.step()  # b cannot be admitted; processing step 2 releases r's blocks
     assert h.scheduled_tokens["b"] == 0
-    assert not h.scheduler.deferred_frees and h.kv.num_free_blocks == 4
+    assert not h.kv.deferred_frees and h.kv.num_free_blocks == 4
     h.step()
     assert h.scheduled_tokens["b"] == 9
     # b's three blocks come from a pool whose only other block is the never-used one.
@@ -68,7 +68,7 @@ def test_finish_with_nothing_in_flight_frees_at_once():
     h.step()  # nothing more to schedule for r (max_tokens guard); step 1 processed
     assert h.finish_reason["r"] == "length"
     assert h.scheduler.sched_step_seq == 1
-    assert not h.scheduler.deferred_frees
+    assert not h.kv.deferred_frees
     assert freed_at_update[0] == 32
     h.run_until_idle()
     h.assert_all_released()
@@ -80,7 +80,7 @@ def test_sync_engine_with_deferral_on_frees_at_once():
     h.step()
     h.step()
     assert h.finish_reason["r"] == "stop"
-    assert not h.scheduler.deferred_frees and h.kv.num_free_blocks == 32
+    assert not h.kv.deferred_frees and h.kv.num_free_blocks == 32
     h.assert_all_released()
 
 
@@ -91,11 +91,11 @@ def test_abort_with_a_step_in_flight_defers():
         h.step()  # after call 3: step 3 in flight, steps 1-2 processed
     r_blocks = sorted(h.kv.get_block_ids("r"))
     h.abort("r")
-    assert [fence for fence, _ in h.scheduler.deferred_frees] == [3]
+    assert [fence for fence, _ in h.kv.deferred_frees] == [3]
     assert parked_ids(h) == [r_blocks]
     assert h.kv.num_free_blocks == 32 - len(r_blocks)
     h.step()  # processes step 3
-    assert not h.scheduler.deferred_frees
+    assert not h.kv.deferred_frees
     h.assert_all_released()
 
 
@@ -111,7 +111,7 @@ def test_preemption_detaches_blocks_at_once_and_defers_their_free():
             seen.append({
                 "status": victim.status,
                 "in_manager": rid in h.kv.req_to_blocks,
-                "fences": [f for f, _ in h.scheduler.deferred_frees],
+                "fences": [f for f, _ in h.kv.deferred_frees],
                 "newest_step": h.scheduler.sched_step_seq,
                 "processed": h.scheduler.processed_step_seq,
                 "free": h.kv.num_free_blocks,
@@ -144,14 +144,14 @@ def test_multiple_deferred_entries_drain_in_fence_order():
     h.step()  # schedules step 4, processes step 2
     b_blocks = sorted(h.kv.get_block_ids("r1"))
     h.abort("r1")  # newest step is 4
-    assert [f for f, _ in h.scheduler.deferred_frees] == [3, 4]
+    assert [f for f, _ in h.kv.deferred_frees] == [3, 4]
     assert parked_ids(h) == [a_blocks, b_blocks]
     h.step()  # schedules step 5, processes step 3: only the first entry's fence is met
     assert parked_ids(h) == [b_blocks]
     assert set(a_blocks) <= free_ids(h)
     assert set(b_blocks).isdisjoint(free_ids(h))
     h.step()  # processes step 4
-    assert not h.scheduler.deferred_frees
+    assert not h.kv.deferred_frees
     assert set(b_blocks) <= free_ids(h)
     h.abort("r2")
     h.run_until_idle()
@@ -171,7 +171,7 @@ def test_fence_holds_across_three_steps_in_flight_until_the_newest_is_processed(
 
     h.on_schedule.append(abort_with_three_in_flight)
     parked_after_update: list[bool] = []
-    h.on_update.append(lambda so: parked_after_update.append(bool(h.scheduler.deferred_frees)))
+    h.on_update.append(lambda so: parked_after_update.append(bool(h.kv.deferred_frees)))
     h.run_until_idle()
     assert "blocks" in state
     # Updates: steps 1, 2 before the abort; then steps 3 and 4 keep the blocks parked
@@ -192,7 +192,7 @@ def test_max_tokens_finish_frees_at_once_while_other_requests_are_in_flight():
     assert h.executor.executed[-1].num_scheduled_tokens == {"long": 1}
     assert len(h.in_flight) == 1  # step 3 is still running
     # "short" was last scheduled in step 2, which is processed: nothing to wait for.
-    assert not h.scheduler.deferred_frees
+    assert not h.kv.deferred_frees
     assert short_blocks <= free_ids(h)
     h.run_until_idle()
     h.assert_all_released()
@@ -206,7 +206,7 @@ def test_abort_mid_prefill_chunk_defers():
     assert r.is_prefill_chunk and r.num_computed_tokens == 4
     blocks = sorted(h.kv.get_block_ids("r"))
     h.abort("r")
-    assert [f for f, _ in h.scheduler.deferred_frees] == [1]
+    assert [f for f, _ in h.kv.deferred_frees] == [1]
     assert parked_ids(h) == [blocks]
     h.step()  # processes step 1
     h.assert_all_released()

@@ -126,3 +126,28 @@ def test_caching_disabled_publishes_nothing_and_finds_nothing():
     assert all(b.block_hash is None for b in kv.get_blocks("a"))
     again = make_request("b", list(range(13)), max_tokens=4, block_size=BS)
     assert kv.get_computed_blocks(again) == ([], 0)
+
+
+def test_fenced_free_parks_blocks_until_the_fence_step_is_processed():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = make_request("a", list(range(8)), max_tokens=4, block_size=BS)
+    b = make_request("b", list(range(100, 104)), max_tokens=4, block_size=BS)
+    kv.allocate_slots(a, 8)
+    kv.allocate_slots(b, 4)
+    kv.free(a, fence_step_seq=2)
+    kv.free(b, fence_step_seq=3)
+    assert [fence for fence, _ in kv.deferred_frees] == [2, 3]
+    assert (kv.num_free_blocks, kv.num_deferred_blocks, kv.usage) == (1, 3, 0.75)
+    c = make_request("c", list(range(200, 209)), max_tokens=4, block_size=BS)
+    # Three blocks: one free now, two more once a fence falls.
+    assert kv.allocate_slots(c, 9) is None
+    assert kv.deferred_blocks_would_fit(c, 9)
+    kv.free_deferred(1)
+    assert kv.num_deferred_blocks == 3
+    kv.free_deferred(2)
+    assert (kv.num_free_blocks, kv.num_deferred_blocks) == (3, 1)
+    assert kv.allocate_slots(c, 9) is not None
+    kv.free(c)
+    kv.free_deferred(3)
+    assert not kv.deferred_frees and kv.num_free_blocks == kv.num_blocks == 4
+    assert not kv.deferred_blocks_would_fit(c, 9)  # nothing parked: preempt instead

@@ -92,8 +92,6 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
-        self.num_cache_queries = 0
-        self.num_cache_hits = 0
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from forerun.core.block_pool import BlockPool, KVCacheBlock
 from forerun.request import Request
@@ -19,6 +20,10 @@ class KVCacheManager:
 
     A block is published (given its hash) only when every token in it is known *and* a
     KV write for it has been enqueued: callers pass the frontier they can vouch for.
+
+    Freeing can be fenced: :meth:`free` with a step sequence number parks the blocks in
+    ``deferred_frees`` until :meth:`free_deferred` learns that step has been processed,
+    because a step still in flight may write them. The scheduler numbers the steps.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -27,10 +32,36 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # (fence step seq, blocks tail first), fences non-decreasing: freed in order once
+        # the fence step has been processed.
+        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        # Prefix-cache lookups, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ----- accounting ---------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        """Block references parked behind a fence (a shared block counts once per holder)."""
+        return sum(len(blocks) for _, blocks in self.deferred_frees)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks not on the free list (parked blocks count as used)."""
+        return self.block_pool.get_usage()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
@@ -49,9 +80,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        pool = self.block_pool
-        pool.num_cache_queries += request.num_tokens
-        pool.num_cache_hits += len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -90,6 +120,17 @@ class KVCacheManager:
             self.cache_blocks(request, min(total, request.num_tokens))
         return new_blocks
 
+    def deferred_blocks_would_fit(self, request: Request, num_new_tokens: int) -> bool:
+        """True when ``num_new_tokens`` more positions fit once the parked blocks are freed.
+
+        The scheduler then waits for the fence instead of preempting a request.
+        """
+        if not self.deferred_frees:
+            return False
+        have = len(self.get_blocks(request.request_id))
+        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - have
+        return need <= self.num_free_blocks + self.num_deferred_blocks
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's full blocks below ``num_tokens``; monotone and idempotent."""
         if not self.enable_caching:
@@ -110,10 +151,20 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         return list(reversed(blocks))
 
-    def free(self, request: Request) -> None:
-        self.block_pool.free_blocks(self.remove_request(request))
+    def free(self, request: Request, fence_step_seq: int | None = None) -> None:
+        """Release the request's blocks: now, or once step ``fence_step_seq`` is processed."""
+        blocks = self.remove_request(request)
+        if not blocks:
+            return
+        if fence_step_seq is None:
+            self.block_pool.free_blocks(blocks)
+            return
+        # Fences arrive in order, so free_deferred only ever looks at the front.
+        assert not self.deferred_frees or self.deferred_frees[-1][0] <= fence_step_seq
+        self.deferred_frees.append((fence_step_seq, blocks))
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        q = self.block_pool.num_cache_queries
-        return self.block_pool.num_cache_hits / q if q else 0.0
+    def free_deferred(self, processed_step_seq: int) -> None:
+        """Free the parked blocks of every fence at or below ``processed_step_seq``."""
+        while self.deferred_frees and self.deferred_frees[0][0] <= processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            self.block_pool.free_blocks(blocks)

@@ -8,7 +8,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from forerun.core.block_pool import KVCacheBlock
 from forerun.core.kv_cache_manager import KVCacheManager, cdiv
 from forerun.core.output import (
     CachedRequestData,
@@ -77,10 +76,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
+        # The fence for deferred frees (kv_cache_manager.deferred_frees): non-empty steps
+        # scheduled, and how many of them have had their output processed.
         self.defer_block_free = config.defer_block_free
         self.sched_step_seq = 0
         self.processed_step_seq = 0
-        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
         self.stats = SchedulerStats()
         self._next_step_id = 0
 
@@ -89,10 +89,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         need = cdiv(request.num_tokens + 1, self.block_size)
-        if need > self.kv_cache_manager.block_pool.num_blocks:
+        if need > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens needs {need} KV blocks but the cache "
-                f"has only {self.kv_cache_manager.block_pool.num_blocks}"
+                f"has only {self.kv_cache_manager.num_blocks}"
             )
         if request.use_structured_output:
             if self.structured_output_manager is None:
@@ -164,7 +164,7 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, n)
                 if new_blocks is not None:
                     break
-                if self._deferred_blocks_would_fit(request, n):
+                if self.kv_cache_manager.deferred_blocks_would_fit(request, n):
                     break  # wait for the fence to release parked blocks instead
                 victim = self.running.pop()
                 self._preempt_request(victim)
@@ -257,14 +257,6 @@ class Scheduler:
                 request_id=request.request_id, new_token_ids=[], finish_reason="error"))
         return False
 
-    def _deferred_blocks_would_fit(self, request: Request, n: int) -> bool:
-        if not self.deferred_frees:
-            return False
-        parked = sum(len(blocks) for _, blocks in self.deferred_frees)
-        have = len(self.kv_cache_manager.get_blocks(request.request_id))
-        need = cdiv(request.num_computed_tokens + n, self.block_size) - have
-        return need <= self.kv_cache_manager.num_free_blocks + parked
-
     def _build_output(
         self,
         scheduled_new: list[Request],
@@ -340,20 +332,12 @@ class Scheduler:
         logger.debug("preempted %s", request.request_id)
 
     def _release_blocks(self, request: Request) -> None:
-        blocks = self.kv_cache_manager.remove_request(request)
-        if not blocks:
-            return
+        fence = None
         if self.defer_block_free and request.last_sched_seq > self.processed_step_seq:
-            # Fence on the newest scheduled step: conservative, and keeps the list ordered.
-            self.deferred_frees.append((self.sched_step_seq, blocks))
-        else:
-            self.kv_cache_manager.block_pool.free_blocks(blocks)
-
-    def _drain_deferred_frees(self) -> None:
-        pool = self.kv_cache_manager.block_pool
-        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
-            _, blocks = self.deferred_frees.popleft()
-            pool.free_blocks(blocks)
+            # A step in flight may still write the blocks. Fence on the newest scheduled
+            # step: conservative, and keeps the manager's fences in order.
+            fence = self.sched_step_seq
+        self.kv_cache_manager.free(request, fence)
 
     def _free_request(self, request: Request) -> None:
         self._release_blocks(request)
@@ -367,7 +351,7 @@ class Scheduler:
         """Apply one step's sampled ids. Called exactly once per step, in FIFO order."""
         if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
             self.processed_step_seq += 1
-            self._drain_deferred_frees()
+            self.kv_cache_manager.free_deferred(self.processed_step_seq)
         index = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
         outputs, self._outputs_without_step = self._outputs_without_step, []

@@ -148,18 +148,17 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
         kv = self.scheduler.kv_cache_manager
-        deferred = sum(len(b) for _, b in self.scheduler.deferred_frees)
         wall = (self._window_end or time.perf_counter()) - self._window_start
         return {
             "steps": s.steps,
             "num_preemptions": s.num_preemptions,
             "wasted_tokens": s.wasted_tokens,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-            "prefix_cache_queries": kv.block_pool.num_cache_queries,
-            "prefix_cache_hits": kv.block_pool.num_cache_hits,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
             "kv_blocks_total": kv.block_pool.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,
-            "kv_blocks_deferred": deferred,
+            "kv_blocks_deferred": kv.num_deferred_blocks,
             "kv_cache_usage": kv.block_pool.get_usage(),
             "async_scheduling": self.async_scheduling,
             "max_concurrent_batches": self.max_concurrent_batches,
