@@ -52,7 +52,7 @@ def worker_idle_ms(spans: list[Span]) -> float:
 
 
 def run_once(llm: LLM, prompts, params) -> dict[str, Any]:
-    before = llm.stats()["wasted_tokens"]
+    before = llm.stats().scheduler.wasted_tokens
     tracer = llm.llm_engine.tracer
     tracer.enabled = True
     tracer.spans.clear()
@@ -63,9 +63,9 @@ def run_once(llm: LLM, prompts, params) -> dict[str, Any]:
     stats = llm.stats()
     return {"output_tok_s": n_out / wall, "wall_s": wall, "output_tokens": n_out,
             "mean_tpot_ms": mean_tpot_ms(outs),
-            "device_busy_fraction": stats["device_busy_fraction"],
+            "device_busy_fraction": stats.device_busy_fraction,
             "worker_idle_ms_per_step": worker_idle_ms(tracer.spans),
-            "wasted_tokens": stats["wasted_tokens"] - before}
+            "wasted_tokens": stats.scheduler.wasted_tokens - before}
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def run_forerun(mode: str, args: argparse.Namespace, rng: random.Random) -> dict
             m = out.metrics
             if m and m.first_token_time:
                 metric_ttft.append(m.first_token_time - m.arrival_time)
-        effective = llm.stats().get("async_scheduling")
+        effective = llm.stats().async_scheduling
     finally:
         llm.shutdown()
     n = args.output_len

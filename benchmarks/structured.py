@@ -58,7 +58,7 @@ def make_batch(n: int, fraction: float, max_tokens: int) -> tuple[list[str], lis
 
 
 def run_once(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> dict[str, Any]:
-    before = llm.stats()["num_deferred_samplings"]
+    before = llm.stats().num_deferred_samplings
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -68,8 +68,8 @@ def run_once(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> dict
         "wall_s": wall,
         "output_tokens": n_tokens,
         "output_tok_s": n_tokens / wall,
-        "deferred_samplings": stats["num_deferred_samplings"] - before,
-        "device_busy_fraction": stats["device_busy_fraction"],
+        "deferred_samplings": stats.num_deferred_samplings - before,
+        "device_busy_fraction": stats.device_busy_fraction,
         "finish_error": sum(o.outputs[0].finish_reason == "error" for o in outs),
         "tokens": [o.outputs[0].token_ids for o in outs],
     }

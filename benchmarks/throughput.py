@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from forerun.core.stats import EngineStats
 from forerun.worker.executor import run_on_worker_thread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -227,20 +228,21 @@ def profile_forerun_sync(llm: Any, workload: Workload) -> dict[str, Any]:
 
 # --- driver -----------------------------------------------------------------------------
 def timed_runs(name: str, generate: Callable[[list[list[int]], int], tuple[float, Any]],
-               workload: Workload, stats: Callable[[], dict[str, Any]] | None
+               workload: Workload, stats: Callable[[], EngineStats] | None
                ) -> dict[str, Any]:
     # steps and wasted_tokens are engine-lifetime counters: report this run's share.
-    before = stats() if stats is not None else {}
+    before = stats() if stats is not None else None
     wall, outs = generate(workload.prompts(), workload.output_len)
     produced = sum(len(o) for o in outs)
     if produced != workload.output_tokens:
         raise RuntimeError(f"{name}: produced {produced} tokens, expected "
                            f"{workload.output_tokens}")
     row: dict[str, Any] = {"wall_s": wall, "tok_s": workload.output_tokens / wall}
-    if stats is not None:
+    if stats is not None and before is not None:
         s = stats()
-        row.update({k: s.get(k) for k in ("device_busy_fraction", "async_scheduling")})
-        row.update({k: s.get(k, 0) - before.get(k, 0)
+        row.update({"device_busy_fraction": s.device_busy_fraction,
+                    "async_scheduling": s.async_scheduling})
+        row.update({k: getattr(s.scheduler, k) - getattr(before.scheduler, k)
                     for k in ("steps", "wasted_tokens", "num_preemptions")})
     print(f"  {name}: {row['tok_s']:.1f} tok/s ({wall:.2f} s)", file=sys.stderr, flush=True)
     return row

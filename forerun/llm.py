@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from forerun.config import EngineConfig
+from forerun.core.stats import EngineStats
 from forerun.engine.chat import apply_chat_template
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.processor import PromptType
@@ -113,7 +114,7 @@ class LLM:
             engine.write_trace()
         return [finished[i] for i in ids]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.llm_engine.stats()
 
     def shutdown(self) -> None:

@@ -62,6 +62,7 @@ def llm_cache():
 
 def assert_all_blocks_free(llm: Any) -> None:
     stats = llm.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
-    assert stats["kv_blocks_deferred"] == 0, stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    kv, sched = stats.kv_cache, stats.scheduler
+    assert kv.num_free_blocks == kv.num_blocks, stats
+    assert kv.num_deferred_blocks == 0, stats
+    assert sched.num_running_reqs == 0 and sched.num_waiting_reqs == 0, stats

@@ -37,7 +37,7 @@ def test_max_tokens_finish_schedules_no_extra_step(max_tokens, depth):
         assert h.scheduled_tokens[rid] == plen + max_tokens - 1
         worker_side = sum(so.num_scheduled_tokens.get(rid, 0) for so in h.executor.executed)
         assert worker_side == plen + max_tokens - 1
-    assert h.scheduler.stats.wasted_tokens == 0
+    assert h.scheduler.counters.wasted_tokens == 0
     h.assert_all_released()
 
 
@@ -48,7 +48,7 @@ def test_eos_finish_wastes_exactly_the_steps_behind_it():
     h.add(make_request("a", distinct_prompt(0, 10), 8, 16))
     h.run_until_idle()
     assert (h.outputs["a"], h.finish_reason["a"]) == expected_output("a", 10, 8, 3)
-    assert h.scheduler.stats.wasted_tokens == 1
+    assert h.scheduler.counters.wasted_tokens == 1
     h.assert_all_released()
 
 
@@ -84,7 +84,7 @@ def test_aborts_in_scrambled_order_keep_exactly_the_delivered_outputs(depth):
         assert h.finish_reason[rid] == "abort"
         assert h.outputs[rid] == expected_output(rid, 8, 100, None)[0][:delivered]
     # Each abort threw away the (depth - 1) steps that were in flight for the request.
-    assert h.scheduler.stats.wasted_tokens == 6 * (depth - 1)
+    assert h.scheduler.counters.wasted_tokens == 6 * (depth - 1)
     h.assert_all_released()
 
 
@@ -119,7 +119,7 @@ def test_aborts_with_a_full_queue_in_flight_discard_every_in_flight_step(depth):
         assert aborted_with[rid] == 1 + pos
         assert h.outputs[rid] == expected_output(rid, 8, 100, None)[0][: 1 + pos]
         assert h.finish_reason[rid] == "abort"
-    assert h.scheduler.stats.wasted_tokens == 4 * depth
+    assert h.scheduler.counters.wasted_tokens == 4 * depth
     h.assert_all_released()
 
 
@@ -244,7 +244,7 @@ def test_preemption_under_kv_pressure_is_lossless(async_scheduling, depth):
         h.step()
         calls += 1
         assert calls < 2000
-    assert h.scheduler.stats.num_preemptions > 0
+    assert h.scheduler.counters.num_preemptions > 0
     if async_scheduling:
         # At least one victim had output in flight when it was preempted.
         assert any(stale > 0 for _, stale in h.preemptions)

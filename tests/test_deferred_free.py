@@ -121,7 +121,7 @@ def test_preemption_detaches_blocks_at_once_and_defers_their_free():
     for i in range(2):
         h.add(make_request(f"r{i}", prompt(i, 4), 10, BS))
     h.run_until_idle()
-    assert h.scheduler.stats.num_preemptions > 0
+    assert h.scheduler.counters.num_preemptions > 0
     first = seen[0]
     assert first["status"] == RequestStatus.PREEMPTED
     assert first["in_manager"] is False  # detached: it can be rescheduled cleanly

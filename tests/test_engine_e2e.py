@@ -79,28 +79,29 @@ def sync_baseline(llm_cache):
 def test_async_and_sync_give_identical_tokens_in_every_configuration(
         llm_cache, sync_baseline, name, mode):
     llm = llm_cache(async_scheduling=mode, **CONFIGS[name])
-    before = llm.stats()["num_preemptions"]
+    before = llm.stats().scheduler.num_preemptions
     outs = llm.generate(PROMPTS, mixed_params(), use_tqdm=False)
     assert tokens(outs) == sync_baseline
     if name == "preemption":
-        assert llm.stats()["num_preemptions"] > before, "the tiny pool should force preemption"
+        assert llm.stats().scheduler.num_preemptions > before, \
+            "the tiny pool should force preemption"
     assert_all_blocks_free(llm)
 
 
 def test_async_is_on_by_default_and_reports_wasted_tokens_for_stop_finishes(llm_cache):
     llm = llm_cache()
-    assert llm.stats()["async_scheduling"] is True
-    before = llm.stats()["wasted_tokens"]
+    assert llm.stats().async_scheduling is True
+    before = llm.stats().scheduler.wasted_tokens
     # A greedy request that ends on EOS before max_tokens: with one step in flight behind
     # it, exactly one token of work is thrown away.
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    greedy(32), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop"
-    assert llm.stats()["wasted_tokens"] - before == 1
+    assert llm.stats().scheduler.wasted_tokens - before == 1
     # A length finish never wastes a step.
-    before = llm.stats()["wasted_tokens"]
+    before = llm.stats().scheduler.wasted_tokens
     llm.generate(PROMPTS[:2], greedy(8, ignore_eos=True), use_tqdm=False)
-    assert llm.stats()["wasted_tokens"] == before
+    assert llm.stats().scheduler.wasted_tokens == before
     assert_all_blocks_free(llm)
 
 
@@ -126,13 +127,13 @@ def test_prefix_cache_hits_on_shared_prefixes_without_changing_tokens(llm_cache)
     prompts = [shared + " forty", shared + " a towel", shared + " unknown"]
     cached = llm_cache()
     uncached = llm_cache(enable_prefix_caching=False)
-    rate0 = cached.stats()["prefix_cache_hits"]
+    rate0 = cached.stats().kv_cache.prefix_cache_hits
     a = cached.generate(prompts, greedy(8), use_tqdm=False)
     b = uncached.generate(prompts, greedy(8), use_tqdm=False)
     assert tokens(a) == tokens(b)
-    assert cached.stats()["prefix_cache_hits"] > rate0
-    assert cached.stats()["prefix_cache_hit_rate"] > 0
-    assert uncached.stats()["prefix_cache_hits"] == 0
+    assert cached.stats().kv_cache.prefix_cache_hits > rate0
+    assert cached.stats().kv_cache.prefix_cache_hit_rate > 0
+    assert uncached.stats().kv_cache.prefix_cache_hits == 0
 
 
 SEEDED = {
@@ -201,11 +202,11 @@ def test_invalid_sampling_params_raise_naming_the_field(bad, field):
 
 def test_bad_prompt_in_a_batch_fails_before_any_work_and_leaks_nothing(llm_cache):
     llm = llm_cache()
-    steps = llm.stats()["steps"]
+    steps = llm.stats().scheduler.steps
     too_long = {"prompt_token_ids": [5] * 2048}
     with pytest.raises(ValueError, match="^prompt.*2048"):
         llm.generate([PROMPTS[0], too_long], greedy(4), use_tqdm=False)
-    assert llm.stats()["steps"] == steps
+    assert llm.stats().scheduler.steps == steps
     assert_all_blocks_free(llm)
     # The engine is unaffected: the good prompt still runs.
     out = llm.generate([PROMPTS[0]], greedy(4), use_tqdm=False)[0]

@@ -47,14 +47,14 @@ def test_seeded_n4_gives_four_different_reproducible_completions(llm_cache):
 def test_children_share_the_prompt_blocks_and_greedy_matches_n1(llm_cache):
     llm = llm_cache()
     block_size = llm.llm_engine.config.block_size
-    before = llm.stats()["prefix_cache_hits"]
+    before = llm.stats().kv_cache.prefix_cache_hits
     (out,) = llm.generate([LONG_PROMPT], SamplingParams(n=4, max_tokens=8, temperature=0.0),
                           use_tqdm=False)
     # The last prompt token is always recomputed, so it never counts as a hit.
     full_blocks = (len(out.prompt_token_ids) - 1) // block_size
     assert full_blocks > 2
     # The first child computes the prompt; the other three hit all its full blocks.
-    assert llm.stats()["prefix_cache_hits"] - before == 3 * full_blocks * block_size
+    assert llm.stats().kv_cache.prefix_cache_hits - before == 3 * full_blocks * block_size
     # Reading blocks another child writes in the same step gives the same tokens.
     (ref,) = llm.generate([LONG_PROMPT], SamplingParams(max_tokens=8, temperature=0.0),
                           use_tqdm=False)

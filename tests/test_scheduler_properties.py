@@ -132,7 +132,7 @@ def test_without_aborts_every_engine_delivers_the_oracle_outputs(w: Workload):
         for r in w.reqs:
             assert results[depth][r.req_id] == oracle(r, w.max_model_len), (depth, r)
         if not async_scheduling:
-            assert h.scheduler.stats.wasted_tokens == 0
+            assert h.scheduler.counters.wasted_tokens == 0
     assert results[2] == results[1] and results[3] == results[1]
 
 

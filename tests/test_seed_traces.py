@@ -72,7 +72,7 @@ def run_case(max_tokens: int, eos_at: int, depth: int) -> tuple[list[str], int]:
     while engine.has_work():
         engine.run_step()
     assert not scheduler.requests and scheduler.kv_cache_manager.num_free_blocks == 16
-    return lines, scheduler.stats.wasted_tokens
+    return lines, scheduler.counters.wasted_tokens
 
 
 def oracle_cases(name: str) -> dict[str, tuple[list[str], int]]:

@@ -107,7 +107,7 @@ def runs(llm_cache):
         tracer = llm.llm_engine.tracer
         tracer.reset()
         tracer.enabled = mode == "on"
-        before = llm.stats()["num_deferred_samplings"]
+        before = llm.stats().num_deferred_samplings
         try:
             outs = llm.generate([p for p, _ in BATCH], [sp for _, sp in BATCH],
                                 use_tqdm=False)
@@ -115,7 +115,7 @@ def runs(llm_cache):
             tracer.enabled = False
         spans = list(tracer.spans)
         tracer.reset()
-        deferred = llm.stats()["num_deferred_samplings"] - before
+        deferred = llm.stats().num_deferred_samplings - before
         assert_all_blocks_free(llm)
         results[mode] = (llm, outs, deferred, spans)
     return results
@@ -280,7 +280,7 @@ def test_a_rejected_token_ends_only_its_own_request(backend, async_on):
     assert got["plain-b"][-1].finish_reason == "length"
     kv = core.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.block_pool.num_blocks
-    assert core.stats()["num_grammar_rejected_tokens"] == 1
+    assert core.stats().scheduler.num_grammar_rejected_tokens == 1
 
 
 class _NeverCompiles:
@@ -308,4 +308,4 @@ def test_a_grammar_that_takes_too_long_fails_alone(async_on):
     # The plain request ran while the grammar was pending, then the grammar timed out.
     assert got["plain"][-1].finish_reason == "length"
     assert [o.finish_reason for o in got["slow"]] == ["error"]
-    assert core.stats()["num_grammar_compile_errors"] == 1
+    assert core.stats().scheduler.num_grammar_compile_errors == 1

@@ -6,6 +6,7 @@ import logging
 from collections import deque
 
 from forerun.core.block_pool import BlockPool, KVCacheBlock
+from forerun.core.stats import KVCacheStats
 from forerun.request import Request
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,17 @@ class KVCacheManager:
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queries
         return self.prefix_cache_hits / q if q else 0.0
+
+    def make_stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_deferred_blocks=self.num_deferred_blocks,
+            usage=self.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_hit_rate=self.prefix_cache_hit_rate,
+        )
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])

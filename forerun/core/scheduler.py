@@ -16,6 +16,7 @@ from forerun.core.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from forerun.core.stats import SchedulerStats
 from forerun.request import Request, RequestStatus
 from forerun.structured.manager import GrammarEvent, Readiness
 
@@ -39,8 +40,8 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class SchedulerStats:
-    """Counters the engine reports."""
+class SchedulerCounters:
+    """Live counters since start; :meth:`Scheduler.make_stats` snapshots them."""
 
     steps: int = 0
     num_preemptions: int = 0
@@ -81,7 +82,7 @@ class Scheduler:
         self.defer_block_free = config.defer_block_free
         self.sched_step_seq = 0
         self.processed_step_seq = 0
-        self.stats = SchedulerStats()
+        self.counters = SchedulerCounters()
         self._next_step_id = 0
 
     # ----- requests in and out ------------------------------------------------------------
@@ -119,6 +120,23 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the queues and counters (the KV cache reports its own)."""
+        c = self.counters
+        grammar = (self.structured_output_manager.stats
+                   if self.structured_output_manager is not None else None)
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            steps=c.steps,
+            num_preemptions=c.num_preemptions,
+            wasted_tokens=c.wasted_tokens,
+            num_scheduled_tokens=c.num_scheduled_tokens,
+            num_grammars_compiled=grammar.num_compiled if grammar else 0,
+            num_grammar_compile_errors=grammar.num_compile_errors if grammar else 0,
+            num_grammar_rejected_tokens=grammar.num_rejected_tokens if grammar else 0,
+        )
 
     # ----- schedule ---------------------------------------------------------------------
     def _is_output_surely_done(self, request: Request) -> bool:
@@ -299,8 +317,8 @@ class Scheduler:
         self.preempted_req_ids = set()
         if total > 0:
             self.sched_step_seq += 1
-            self.stats.steps += 1
-            self.stats.num_scheduled_tokens += total
+            self.counters.steps += 1
+            self.counters.num_scheduled_tokens += total
         self._update_after_schedule(out)
         return out
 
@@ -326,7 +344,7 @@ class Scheduler:
         # counters reset here. Assignment, not +=: in-flight already includes any old share.
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
-        self.stats.num_preemptions += 1
+        self.counters.num_preemptions += 1
         self.waiting.appendleft(request)
         self.preempted_req_ids.add(request.request_id)
         logger.debug("preempted %s", request.request_id)
@@ -360,7 +378,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 # Finished or aborted while this step ran: the work is thrown away.
-                self.stats.wasted_tokens += n
+                self.counters.wasted_tokens += n
                 continue
             request.num_in_flight_tokens -= n
             is_stale = request.num_stale_output_tokens > 0

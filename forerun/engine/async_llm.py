@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from forerun.config import EngineConfig
+from forerun.core.stats import EngineStats
 from forerun.engine.builder import ModelInfo, resolve_model_info
 from forerun.engine.core_client import EngineCoreClient, EngineDeadError
 from forerun.engine.core_messages import CoreFailed, CoreOutputs, StatsReply
@@ -96,7 +97,7 @@ class AsyncLLM:
         # Parallel sampling: parents by id, and each child's parent.
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
-        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._call_ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
         self.dead_error: str | None = None
@@ -211,13 +212,13 @@ class AsyncLLM:
         return len(self._streams)
 
     # ----- stats ------------------------------------------------------------------------
-    async def get_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """The engine core's ``stats()`` dict, fetched from the core."""
+    async def get_stats(self, timeout_s: float = 10.0) -> EngineStats:
+        """The engine core's ``stats()`` snapshot, fetched from the core."""
         self._ensure_handler()
         if self.is_dead:
             raise EngineDeadError(self.dead_error or self.client.death_message())
         call_id = next(self._call_ids)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
         self._stats_waiters[call_id] = fut
         try:
             self.client.request_stats(call_id)

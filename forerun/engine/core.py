@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from forerun.core.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.core.scheduler import Scheduler
+from forerun.core.stats import EngineStats
 from forerun.request import Request, RequestStatus
 from forerun.trace import ENGINE_LANE, Tracer
 
@@ -145,45 +146,21 @@ class EngineCore:
     def close_stats_window(self) -> None:
         self._window_end = time.perf_counter()
 
-    def stats(self) -> dict[str, Any]:
-        s = self.scheduler.stats
-        kv = self.scheduler.kv_cache_manager
+    def stats(self) -> EngineStats:
+        """A snapshot: the scheduler's and the KV cache's own stats plus the engine's."""
         wall = (self._window_end or time.perf_counter()) - self._window_start
-        return {
-            "steps": s.steps,
-            "num_preemptions": s.num_preemptions,
-            "wasted_tokens": s.wasted_tokens,
-            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "kv_blocks_total": kv.block_pool.num_blocks,
-            "kv_blocks_free": kv.num_free_blocks,
-            "kv_blocks_deferred": kv.num_deferred_blocks,
-            "kv_cache_usage": kv.block_pool.get_usage(),
-            "async_scheduling": self.async_scheduling,
-            "max_concurrent_batches": self.max_concurrent_batches,
-            # Worker time in forward + sample over the wall time of the window.
-            "device_busy_fraction": self.tracer.device_busy_s / wall if wall > 0 else 0.0,
-            # Mean time the worker waited between finishing one step and starting the next.
-            "worker_idle_ms_per_step": (
-                1e3 * self.tracer.worker_idle_s / self.tracer.worker_step_gaps
-                if self.tracer.worker_step_gaps else 0.0),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_deferred_samplings": self.num_deferred_samplings,
-            **self._structured_stats(),
-        }
-
-    def _structured_stats(self) -> dict[str, Any]:
-        manager = self.scheduler.structured_output_manager
-        if manager is None:
-            return {}
-        st = manager.stats
-        return {
-            "num_grammars_compiled": st.num_compiled,
-            "num_grammar_compile_errors": st.num_compile_errors,
-            "num_grammar_rejected_tokens": st.num_rejected_tokens,
-        }
+        tracer = self.tracer
+        return EngineStats(
+            scheduler=self.scheduler.make_stats(),
+            kv_cache=self.scheduler.kv_cache_manager.make_stats(),
+            async_scheduling=self.async_scheduling,
+            max_concurrent_batches=self.max_concurrent_batches,
+            device_busy_fraction=tracer.device_busy_s / wall if wall > 0 else 0.0,
+            worker_idle_ms_per_step=(
+                1e3 * tracer.worker_idle_s / tracer.worker_step_gaps
+                if tracer.worker_step_gaps else 0.0),
+            num_deferred_samplings=self.num_deferred_samplings,
+        )
 
     def shutdown(self) -> None:
         shutdown = getattr(self.executor, "shutdown", None)

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from forerun.core.output import EngineCoreOutput, TokenLogprobs
+from forerun.core.stats import EngineStats
 from forerun.sampling_params import SamplingParams
 
 
@@ -138,7 +139,7 @@ class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
 
 class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True):
     call_id: int
-    stats: dict[str, Any]
+    stats: EngineStats
 
 
 class CoreFailed(msgspec.Struct, tag="core_failed", array_like=True):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from forerun.config import EngineConfig
 from forerun.core.block_hash import make_block_hasher
+from forerun.core.stats import EngineStats
 from forerun.engine.builder import build_engine_core, resolve_model_info, shared_tokenizer
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.parallel_sampling import ParentRequest, child_params
@@ -124,7 +124,7 @@ class LLMEngine:
     def close_stats_window(self) -> None:
         self.engine_core.close_stats_window()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine_core.stats()
 
     def write_trace(self) -> None:

@@ -8,12 +8,12 @@ refreshed from its ``stats()`` on every scrape.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from forerun.core.stats import EngineStats
 from forerun.outputs import RequestOutput
 
 _P = "forerun:"
@@ -26,10 +26,13 @@ class _EngineStatsCollector(Collector):
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats: dict[str, Any] = {}
+        # None until the first scrape has fetched a snapshot.
+        self.stats: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
-        s, labels = self.stats, [self.model_name]
+        if self.stats is None:
+            return
+        sched, kv, labels = self.stats.scheduler, self.stats.kv_cache, [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(_P + name, doc, labels=["model_name"])
@@ -42,19 +45,19 @@ class _EngineStatsCollector(Collector):
             return c
 
         yield gauge("num_requests_running", "Requests in the running batch.",
-                    s.get("num_running", 0))
+                    sched.num_running_reqs)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                    s.get("num_waiting", 0))
+                    sched.num_waiting_reqs)
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                    s.get("kv_cache_usage", 0.0))
-        yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.",
-                      s.get("prefix_cache_queries", 0))
-        yield counter("prefix_cache_hits", "Blocks found in the prefix cache.",
-                      s.get("prefix_cache_hits", 0))
+                    kv.usage)
+        yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",
+                      kv.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Tokens found in the prefix cache.",
+                      kv.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.",
-                      s.get("num_preemptions", 0))
+                      sched.num_preemptions)
         yield counter("wasted_tokens", "Tokens computed and then thrown away.",
-                      s.get("wasted_tokens", 0))
+                      sched.wasted_tokens)
 
 
 class ServerMetrics:
@@ -110,7 +113,7 @@ class ServerMetrics:
     def on_abort(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
 
-    def update_engine_stats(self, stats: dict[str, Any]) -> None:
+    def update_engine_stats(self, stats: EngineStats) -> None:
         self.engine.stats = stats
 
     def render(self) -> bytes:

@@ -1,0 +1,63 @@
+"""Typed stats snapshots: each part is made by its owner, the engine core assembles them.
+
+They are msgspec Structs because the whole crosses the process boundary (the API server's
+``/metrics`` asks the engine-core process for it). Frozen: a snapshot, not live counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
+    """``Scheduler.make_stats()``: its queues now and its counters since start."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    # Non-empty steps scheduled.
+    steps: int
+    num_preemptions: int
+    # Tokens computed for requests that had finished or been aborted meanwhile.
+    wasted_tokens: int
+    num_scheduled_tokens: int
+    # Grammar (structured output) counters; zero on an engine without a grammar backend.
+    num_grammars_compiled: int = 0
+    num_grammar_compile_errors: int = 0
+    num_grammar_rejected_tokens: int = 0
+
+
+class KVCacheStats(msgspec.Struct, frozen=True, kw_only=True):
+    """``KVCacheManager.make_stats()``: block counts now and prefix-cache counters."""
+
+    num_blocks: int
+    num_free_blocks: int
+    # Block references parked behind a step fence (freed once that step is processed).
+    num_deferred_blocks: int
+    # Fraction of blocks not on the free list (parked blocks count as used).
+    usage: float
+    # Prefix-cache lookups since start, in tokens.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """``EngineCore.stats()``: the scheduler's and the KV cache's parts plus the engine's."""
+
+    scheduler: SchedulerStats
+    kv_cache: KVCacheStats
+    async_scheduling: bool
+    max_concurrent_batches: int
+    # Worker time in forward + sample over the wall time of the stats window.
+    device_busy_fraction: float
+    # Mean time the worker waited between finishing one step and starting the next.
+    worker_idle_ms_per_step: float
+    # Steps whose sampling waited for the previous step's output (grammar requests).
+    num_deferred_samplings: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dicts, for JSON (benchmark reports, logs)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
