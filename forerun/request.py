@@ -20,7 +20,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
@@ -36,7 +35,6 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "length",
     RequestStatus.FINISHED_ERROR: "error",
 }
 
@@ -56,7 +54,6 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
@@ -65,7 +62,6 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.cache_salt = cache_salt
         max_tokens = sampling_params.max_tokens
@@ -84,7 +80,6 @@ class Request:
         # In-flight tokens that belonged to the request before it was preempted: their
         # output is still delivered but must not touch the reset counters.
         self.num_stale_output_tokens = 0
-        self.drop_stale_output = False
         self.last_sched_seq = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission

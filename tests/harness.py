@@ -34,7 +34,7 @@ def make_request(
     """A greedy request that stops on the fake worker's EOS, with prefix-cache hashing."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     params.update_from_model([EOS])
-    return Request(req_id, prompt, params, eos_token_id=EOS, cache_salt=cache_salt,
+    return Request(req_id, prompt, params, cache_salt=cache_salt,
                    block_hasher=make_block_hasher(block_size))
 
 

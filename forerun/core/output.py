@@ -16,7 +16,6 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    resumed: bool = False
     # How many of prompt_token_ids are the prompt (the rest are outputs of a resumed
     # request): the worker rebuilds its penalty counts from the outputs.
     num_prompt_tokens: int = -1
@@ -55,7 +54,6 @@ class SchedulerOutput:
     # Set when a grammar request still has a token in flight: its bitmask for this step
     # cannot be built until that token has advanced the grammar, so sampling must wait.
     pending_structured_output_tokens: bool = False
-    structured_output_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -210,7 +210,7 @@ class Scheduler:
                 and len(self.running) < self.config.max_num_seqs
             ):
                 request = self.waiting[0]
-                if request.num_stale_output_tokens and not request.drop_stale_output:
+                if request.num_stale_output_tokens:
                     # Its stale output is still in flight: resuming now could re-sample a
                     # position that output will fill.
                     skipped.append(self.waiting.popleft())
@@ -292,7 +292,6 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
-                    resumed=request.num_preemptions > 0,
                     num_prompt_tokens=request.num_prompt_tokens,
                     want_prompt_logprobs=request.wants_prompt_logprobs,
                 )
@@ -384,8 +383,6 @@ class Scheduler:
             is_stale = request.num_stale_output_tokens > 0
             if is_stale:
                 request.num_stale_output_tokens -= n
-                if request.drop_stale_output:
-                    continue
             i = index.get(req_id)
             new_ids = sampled[i] if i is not None else []
             status_before = request.status

@@ -168,7 +168,6 @@ class StructuredOutputManager:
         for i, (_, grammar) in enumerate(rows):
             grammar.fill_bitmask(bitmask, i)
         self.stats.num_bitmasks += 1
-        scheduler_output.structured_output_request_ids = [r for r, _ in rows]
         return GrammarBitmask([r for r, _ in rows], bitmask)
 
     def shutdown(self) -> None:
