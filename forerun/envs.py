@@ -8,6 +8,7 @@ them per call).
 | ``FORERUN_CPU_KERNELS`` | ``1`` | ``0``: the model's pure-torch path instead of the C kernels |
 | ``FORERUN_CPU_PREPACK`` | ``1`` | ``0``: plain linear weights (no oneDNN reorder) |
 | ``FORERUN_SINGLE_OMP_TEAM`` | ``1`` | ``0``: leave the engine thread's torch thread count alone |
+| ``FORERUN_API_KEY`` | unset | ``forerun serve``'s API key when ``--api-key`` is not given (a flag shows in ``ps``) |
 | ``FORERUN_SMALL_BATCH_TOKENS`` | ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
 """
 
@@ -16,11 +17,17 @@ from __future__ import annotations
 import os
 
 CACHE_DIR = "FORERUN_CACHE_DIR"
+API_KEY = "FORERUN_API_KEY"
 
 
 def cache_dir() -> str | None:
     """The raw ``FORERUN_CACHE_DIR`` value (``None`` when unset)."""
     return os.environ.get(CACHE_DIR)
+
+
+def api_key() -> str | None:
+    """``FORERUN_API_KEY``, or None when unset or empty."""
+    return os.environ.get(API_KEY) or None
 
 
 def c_compiler() -> str:

@@ -52,7 +52,8 @@ class ServerHandle:
             pass
 
 
-_servers: dict[tuple[str, ...], ServerHandle] = {}
+_servers: dict[tuple[object, ...], ServerHandle] = {}
+_fresh: list[ServerHandle] = []
 
 
 def free_port() -> int:
@@ -61,10 +62,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra: str) -> ServerHandle:
-    """Start (or reuse) a server with ``extra`` arguments; does not wait for health."""
-    key = tuple(extra)
-    if key in _servers and _servers[key].proc.poll() is None:
+def start_server(*extra: str, env: dict[str, str] | None = None,
+                 fresh: bool = False) -> ServerHandle:
+    """Start (or reuse) a server with ``extra`` arguments; does not wait for health.
+
+    ``fresh`` always starts a new one (for tests that kill or stop it); ``env`` adds
+    environment variables.
+    """
+    key = (*extra, *sorted((env or {}).items()))
+    if not fresh and key in _servers and _servers[key].proc.poll() is None:
         return _servers[key]
     port = free_port()
     log_path = f"/tmp/forerun-test-server-{port}.log"
@@ -72,13 +78,51 @@ def start_server(*extra: str) -> ServerHandle:
     proc = subprocess.Popen(
         [sys.executable, "-m", "forerun.cli", "serve", "--host", "127.0.0.1",
          "--port", str(port), *BASE_ARGS, *extra],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **(env or {})})
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
-    _servers[key] = handle
+    if fresh:
+        _fresh.append(handle)
+    else:
+        _servers[key] = handle
     return handle
+
+
+def engine_pid(server_pid: int) -> int:
+    """The pid of the engine-core process a server spawned."""
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError("no engine core process found")
+
+
+def child_pids(parent: int) -> list[int]:
+    """Live processes whose parent is ``parent``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @atexit.register
 def _stop_all() -> None:
-    for handle in _servers.values():
+    for handle in [*_servers.values(), *_fresh]:
         handle.stop()

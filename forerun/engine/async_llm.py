@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from forerun.config import EngineConfig
@@ -15,8 +15,8 @@ from forerun.engine.builder import ModelInfo, resolve_model_info
 from forerun.engine.core_client import EngineCoreClient, EngineDeadError
 from forerun.engine.core_messages import CoreFailed, CoreOutputs, StatsReply
 from forerun.engine.output_processor import OutputProcessor
-from forerun.engine.parallel_sampling import ParentRequest, child_params
-from forerun.engine.processor import Processor, PromptType
+from forerun.engine.parallel_sampling import ParallelSampling
+from forerun.engine.processor import ProcessedPrompt, Processor, PromptType
 from forerun.model.loader import load_tokenizer
 from forerun.outputs import RequestOutput
 from forerun.sampling_params import SamplingParams
@@ -24,6 +24,20 @@ from forerun.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 500
+
+
+class EngineOverloadedError(RuntimeError):
+    """The frontend will not take this request now: full, or shutting down (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1,
+                 code: str = "server_overloaded") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.code = code
+
+
+class RequestTimeoutError(RuntimeError):
+    """A request ran past the frontend's ``request_timeout_s``; it has been aborted."""
 
 
 class OutputObserver(Protocol):
@@ -37,11 +51,14 @@ class OutputObserver(Protocol):
 class RequestStream:
     """The outputs of one request, one per engine step that produced tokens for it."""
 
-    def __init__(self, engine: AsyncLLM, request_id: str) -> None:
+    def __init__(self, engine: AsyncLLM, request_id: str,
+                 deadline: float | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        # loop.time() after which the request is aborted with RequestTimeoutError.
+        self.deadline = deadline
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -49,7 +66,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        if self.deadline is None or not self.queue.empty():
+            item = await self.queue.get()
+        else:
+            try:
+                async with asyncio.timeout_at(self.deadline):
+                    item = await self.queue.get()
+            except TimeoutError:
+                self.abort()
+                raise RequestTimeoutError(
+                    f"the request ran longer than the server's request timeout "
+                    f"({self.engine.request_timeout_s:g} s) and was aborted") from None
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -67,11 +94,21 @@ class AsyncLLM:
     """Tokenise, send to the engine core, detokenise, and fan outputs out per request.
 
     ``engine_process=False`` runs the core in a thread of this process (tests, debugging).
-    The output handler task starts on first use inside the running event loop.
+    The output handler task starts on first use inside the running event loop (or at
+    ``start()``).
+
+    Admission: at most ``max_num_seqs + max_waiting_requests`` sequences (a request with
+    ``n`` choices counts n) are in flight; beyond that, and while draining for shutdown,
+    ``add_request`` raises :class:`EngineOverloadedError`. The core beats at least once a
+    second; after ``heartbeat_timeout_s`` of silence the engine counts as unresponsive
+    (``health()`` says why) and new requests are refused until it beats again.
     """
 
     def __init__(self, config: EngineConfig, engine_process: bool = True,
-                 observer: OutputObserver | None = None) -> None:
+                 observer: OutputObserver | None = None,
+                 max_waiting_requests: int | None = None,
+                 request_timeout_s: float | None = None,
+                 heartbeat_timeout_s: float = 30.0) -> None:
         self.config = config
         self.model_info: ModelInfo = resolve_model_info(config)
         self.client = EngineCoreClient(config, engine_process)
@@ -94,13 +131,20 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}
-        # Parallel sampling: parents by id, and each child's parent.
-        self._parents: dict[str, ParentRequest] = {}
-        self._child_parent: dict[str, ParentRequest] = {}
+        self._parallel = ParallelSampling()
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._call_ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
         self.dead_error: str | None = None
+        self.max_pending_seqs = (None if max_waiting_requests is None
+                                 else config.max_num_seqs + max_waiting_requests)
+        self.request_timeout_s = request_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.last_heartbeat = time.monotonic()
+        # Why new requests are refused (shutting down), or None while accepting.
+        self.draining: str | None = None
+        # Called once, from the event loop, when the engine core is found dead.
+        self.on_dead: Callable[[str], None] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -110,6 +154,53 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self.dead_error is not None or not self.client.is_alive()
 
+    def health(self) -> str | None:
+        """None when healthy, else why not (dead, or silent past the heartbeat timeout)."""
+        if self.is_dead:
+            return self.dead_error or self.client.death_message()
+        silent = time.monotonic() - self.last_heartbeat
+        if silent > self.heartbeat_timeout_s:
+            return f"the engine core has not answered for {silent:.1f} s"
+        return None
+
+    @property
+    def num_pending_seqs(self) -> int:
+        """Sequences sent to the core and not finished (each of n choices counts)."""
+        return len(self.output_processor.request_states)
+
+    def check_admission(self, num_seqs: int) -> None:
+        """Raise unless ``num_seqs`` more sequences may start now.
+
+        ValueError (a 400) when they could never fit; EngineOverloadedError (a 503 with
+        Retry-After) when the server is full, draining, or its engine is not answering.
+        """
+        if self.draining is not None:
+            raise EngineOverloadedError(self.draining, 5, "server_shutting_down")
+        problem = self.health()
+        if problem is not None:
+            if self.is_dead:
+                raise EngineDeadError(problem)
+            raise EngineOverloadedError(problem, 5, "engine_unresponsive")
+        cap = self.max_pending_seqs
+        if cap is None:
+            return
+        if num_seqs > cap:
+            raise ValueError(
+                f"n: this request asks for {num_seqs} sequences (prompts x n); the server "
+                f"runs at most {cap} at once (--max-num-seqs + --max-waiting-requests)")
+        if self.num_pending_seqs + num_seqs > cap:
+            raise EngineOverloadedError(
+                f"the server is full ({self.num_pending_seqs} sequences in flight, limit "
+                f"{cap}); retry later")
+
+    def stop_accepting(self, reason: str) -> None:
+        """Refuse new requests from now on (graceful shutdown); in-flight ones go on."""
+        self.draining = reason
+
+    def start(self) -> None:
+        """Start reading the core's messages now (the server calls this at startup)."""
+        self._ensure_handler()
+
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> RequestStream:
@@ -117,26 +208,30 @@ class AsyncLLM:
 
         With ``params.n > 1`` the request is fanned out into n children (see
         :mod:`forerun.engine.parallel_sampling`); the stream yields the parent's outputs,
-        each with all n completions.
+        each with all n completions. Raises EngineOverloadedError when the server is full.
         """
-        self._ensure_handler()
-        if self.is_dead:
-            raise EngineDeadError(self.dead_error or self.client.death_message())
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self.check_admission(params.n)
         processed = self.processor.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.processor.process_params(params)
+        return self.add_processed_request(request_id, processed, params, arrival_time)
+
+    def add_processed_request(self, request_id: str, processed: ProcessedPrompt,
+                              params: SamplingParams,
+                              arrival_time: float | None = None) -> RequestStream:
+        """Send a request the processor has already checked (the server does that step
+        on a worker thread for big bodies); admission is checked here all the same."""
+        self._ensure_handler()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self.check_admission(params.n)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        stream = RequestStream(self, request_id)
-        if params.n == 1:
-            jobs = [(request_id, params)]
-        else:
-            parent = ParentRequest(request_id, params.n)
-            self._parents[request_id] = parent
-            for cid in parent.child_ids:
-                self._child_parent[cid] = parent
-            jobs = [(cid, child_params(params, i)) for i, cid in enumerate(parent.child_ids)]
+        deadline = None
+        if self.request_timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        stream = RequestStream(self, request_id, deadline)
+        jobs = self._parallel.fan_out(request_id, params)
         self._streams[request_id] = stream
+        tracked: list[str] = []
         sent: list[str] = []
         try:
             # Back to back, so the core admits the children together and they share the
@@ -144,16 +239,17 @@ class AsyncLLM:
             for rid, p in jobs:
                 self.output_processor.add_request(rid, processed.prompt,
                                                   processed.prompt_token_ids, p, arrival)
-                sent.append(rid)
+                tracked.append(rid)
                 self.client.add_request(rid, processed.prompt_token_ids, p, arrival)
+                sent.append(rid)
         except BaseException:
             self._streams.pop(request_id, None)
-            self._forget_parent(request_id)
-            for rid in sent:
+            self._parallel.forget(request_id)
+            for rid in tracked:
                 self.output_processor.abort_request(rid)
-            if len(sent) > 1:
+            if sent:
                 try:
-                    self.client.abort_requests(sent[:-1])
+                    self.client.abort_requests(sent)
                 except Exception:
                     logger.debug("abort of %s not delivered", sent, exc_info=True)
             raise
@@ -169,19 +265,10 @@ class AsyncLLM:
         finally:
             stream.abort()
 
-    def _forget_parent(self, request_id: str) -> list[str]:
-        """The engine-side ids of ``request_id`` still running: its children, or itself."""
-        parent = self._parents.pop(request_id, None)
-        if parent is None:
-            return [request_id]
-        for cid in parent.child_ids:
-            self._child_parent.pop(cid, None)
-        return parent.unfinished_child_ids()
-
     def abort(self, request_id: str) -> None:
         """Abort a request (a parallel-sampling parent aborts all its children)."""
         stream = self._streams.pop(request_id, None)
-        ids = self._forget_parent(request_id)
+        ids = self._parallel.forget(request_id)
         states = [self.output_processor.abort_request(rid) for rid in ids]
         if stream is None and all(s is None for s in states):
             return
@@ -198,7 +285,7 @@ class AsyncLLM:
         ids: list[str] = []
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(error)
-            for eid in self._forget_parent(rid):
+            for eid in self._parallel.forget(rid):
                 ids.append(eid)
                 self.output_processor.abort_request(eid)
                 if self.observer is not None:
@@ -238,6 +325,8 @@ class AsyncLLM:
         try:
             while self.dead_error is None:
                 msgs = await self.client.recv_messages(_POLL_MS)
+                if msgs:
+                    self.last_heartbeat = time.monotonic()
                 for msg in msgs:
                     self._handle(msg)
                 if not msgs and not self.client.is_alive():
@@ -269,32 +358,17 @@ class AsyncLLM:
             [w.to_core_output() for w in msg.outputs])
         if to_abort:
             self.client.abort_requests(to_abort)
-        touched: dict[str, ParentRequest] = {}
-        for out in outputs:
-            parent = self._child_parent.get(out.request_id)
-            if parent is not None:
-                # Metrics count each child as a sequence; the stream gets the parent.
-                if self.observer is not None:
-                    self.observer.on_output(out)
-                parent.add_child_output(out)
-                touched[parent.request_id] = parent
+        if self.observer is not None:
+            # Metrics count sequences: each child of an n > 1 request on its own.
+            for out in outputs:
+                self.observer.on_output(out)
+        for out in self._parallel.merge(outputs):
+            stream = self._streams.get(out.request_id)
+            if stream is None:
                 continue
-            self._dispatch(out, observe=True)
-        for parent in touched.values():
-            out = parent.make_output()
             if out.finished:
-                self._forget_parent(parent.request_id)
-            self._dispatch(out, observe=False)
-
-    def _dispatch(self, out: RequestOutput, observe: bool) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        if observe and self.observer is not None:
-            self.observer.on_output(out)
-        stream.queue.put_nowait(out)
+                del self._streams[out.request_id]
+            stream.queue.put_nowait(out)
 
     def _die(self, message: str) -> None:
         if self.dead_error is not None:
@@ -306,6 +380,8 @@ class AsyncLLM:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(err)
+        if self.on_dead is not None:
+            self.on_dead(message)
 
     # ----- shutdown ---------------------------------------------------------------------
     async def shutdown_async(self) -> None:

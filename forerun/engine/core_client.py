@@ -23,7 +23,6 @@ from forerun.engine.core_messages import (
     Ready,
     Shutdown,
     StartupFailed,
-    WireSamplingParams,
     input_encoder,
     output_decoder,
 )
@@ -60,6 +59,9 @@ class EngineCoreClient:
         self._out = self._ctx.socket(zmq.PULL)
         for s in (self._in, self._out):
             s.setsockopt(zmq.LINGER, 0)
+        # No high-water mark towards the core: the frontend's admission limit bounds what is
+        # queued, and an abort must never be dropped because adds filled the pipe.
+        self._in.setsockopt(zmq.SNDHWM, 0)
         self._in.bind(self.input_addr)
         self._out.bind(self.output_addr)
         self._aout: zmq.asyncio.Socket | None = None
@@ -150,8 +152,7 @@ class EngineCoreClient:
                     params: SamplingParams, arrival_time: float) -> None:
         if not self.is_alive():
             raise EngineDeadError(self.death_message())
-        self._send(AddRequest(request_id, prompt_token_ids,
-                              WireSamplingParams.from_params(params), arrival_time))
+        self._send(AddRequest(request_id, prompt_token_ids, params, arrival_time))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive():

@@ -15,74 +15,18 @@ from forerun.core.stats import EngineStats
 from forerun.sampling_params import SamplingParams
 
 
-class WireSamplingParams(msgspec.Struct, array_like=True, frozen=True):
-    """SamplingParams as they travel; ``all_stop_token_ids`` already holds the EOS ids."""
-
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    min_tokens: int
-    skip_special_tokens: bool
-    spaces_between_special_tokens: bool
-    include_stop_str_in_output: bool
-    all_stop_token_ids: list[int]
-    # StructuredOutputsParams.to_dict(): plain values, rebuilt (and compiled) in the core.
-    structured_outputs: dict[str, Any] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    bad_words_token_ids: list[list[int]] = []
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-
-    @classmethod
-    def from_params(cls, p: SamplingParams) -> WireSamplingParams:
-        so = p.structured_outputs
-        return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop or []),
-                   list(p.stop_token_ids or []), p.ignore_eos, p.min_tokens,
-                   p.skip_special_tokens, p.spaces_between_special_tokens,
-                   p.include_stop_str_in_output, sorted(p.all_stop_token_ids),
-                   so.to_dict() if so is not None else None,
-                   p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
-                   p.logit_bias, p.allowed_token_ids, p.bad_words, p.bad_words_token_ids,
-                   p.logprobs, p.prompt_logprobs)
-
-    def to_params(self) -> SamplingParams:
-        p = SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, seed=self.seed, stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words, logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-        )
-        p._all_stop_token_ids = set(self.all_stop_token_ids)
-        p._bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
-        return p
-
-
 # ----- API process -> core ---------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """A validated, tokenised request."""
+    """A validated, tokenised request.
+
+    ``params`` is forerun's own SamplingParams, encoded by its dataclass fields (private
+    ones too: ``all_stop_token_ids`` already holds the EOS ids); decoding re-runs its
+    validation. One type on both sides, so a new field cannot be left off the wire.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    params: WireSamplingParams
+    params: SamplingParams
     arrival_time: float
 
 
@@ -149,7 +93,18 @@ class CoreFailed(msgspec.Struct, tag="core_failed", array_like=True):
     traceback: str
 
 
-CoreMessage = Ready | StartupFailed | CoreOutputs | StatsReply | CoreFailed
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    """The core loop is alive: sent when nothing else went out for HEARTBEAT_INTERVAL_S.
+
+    Sent from the loop itself, not a side thread, so a core stuck inside a step stops
+    beating too and the API process can report it unhealthy.
+    """
+
+
+# Generous against the idle poll: a beat is due at least every second.
+HEARTBEAT_INTERVAL_S = 1.0
+
+CoreMessage = Ready | StartupFailed | CoreOutputs | StatsReply | CoreFailed | Heartbeat
 
 input_encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(CoreInput)

@@ -20,11 +20,13 @@ from forerun.core.block_hash import make_block_hasher
 from forerun.engine.builder import build_engine_core, resolve_model_info
 from forerun.engine.core import EngineCore
 from forerun.engine.core_messages import (
+    HEARTBEAT_INTERVAL_S,
     AbortRequests,
     AddRequest,
     CoreFailed,
     CoreOutputs,
     GetStats,
+    Heartbeat,
     Ready,
     Shutdown,
     StartupFailed,
@@ -54,10 +56,13 @@ class EngineCoreProc:
         # Requests whose first scheduling time has not been reported yet.
         self.unreported: dict[str, Request] = {}
         self.running = True
+        self.last_sent = time.monotonic()
 
     def run(self) -> None:
         last_parent_check = time.monotonic()
         while self.running:
+            if time.monotonic() - self.last_sent >= HEARTBEAT_INTERVAL_S:
+                self._send(Heartbeat())
             busy = self.core.has_work()
             if self.in_sock.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
@@ -84,7 +89,7 @@ class EngineCoreProc:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):
-            req = Request(msg.request_id, msg.prompt_token_ids, msg.params.to_params(),
+            req = Request(msg.request_id, msg.prompt_token_ids, msg.params,
                           arrival_time=msg.arrival_time, block_hasher=self.block_hasher)
             self.unreported[req.request_id] = req
             self.core.add_request(req)
@@ -93,7 +98,7 @@ class EngineCoreProc:
                 self.unreported.pop(rid, None)
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, GetStats):
-            self.out_sock.send(output_encoder.encode(StatsReply(msg.call_id, self.core.stats())))
+            self._send(StatsReply(msg.call_id, self.core.stats()))
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -113,7 +118,11 @@ class EngineCoreProc:
             wire.append(WireOutput(o.request_id, o.new_token_ids, o.finish_reason,
                                    o.stop_reason, o.num_cached_tokens, sched_time,
                                    o.logprobs, o.prompt_logprobs))
-        self.out_sock.send(output_encoder.encode(CoreOutputs(wire)))
+        self._send(CoreOutputs(wire))
+
+    def _send(self, msg: CoreOutputs | StatsReply | Heartbeat) -> None:
+        self.out_sock.send(output_encoder.encode(msg))
+        self.last_sent = time.monotonic()
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -122,13 +131,16 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     if not in_process:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
-        # Ctrl-C reaches the whole process group; the API process decides when we stop.
+        # Ctrl-C, and a supervisor's SIGTERM, reach the whole process group: the API
+        # process decides when we stop (after draining), and we exit if it dies.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context.instance() if in_process else zmq.Context()
     in_sock = ctx.socket(zmq.PULL)
     out_sock = ctx.socket(zmq.PUSH)
     for s in (in_sock, out_sock):
         s.setsockopt(zmq.LINGER, 1000)
+    in_sock.setsockopt(zmq.RCVHWM, 0)  # see EngineCoreClient: aborts must always get through
     in_sock.connect(input_addr)
     out_sock.connect(output_addr)
     core: EngineCore | None = None

@@ -82,3 +82,56 @@ class ParentRequest:
             num_cached_tokens=max(o.num_cached_tokens for o in self._latest if o is not None),
             metrics=first.metrics, new_token_ids=new_ids, prompt_logprobs=prompt_logprobs,
         )
+
+
+class ParallelSampling:
+    """The ``n > 1`` requests in flight: each parent by id, and each child's parent.
+
+    The one place both frontends (``LLMEngine`` and ``AsyncLLM``) keep this bookkeeping.
+    """
+
+    def __init__(self) -> None:
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_parent: dict[str, ParentRequest] = {}
+
+    def fan_out(self, request_id: str,
+                params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """The engine requests for one user request: itself, or its n children."""
+        if params.n == 1:
+            return [(request_id, params)]
+        parent = ParentRequest(request_id, params.n)
+        self._parents[request_id] = parent
+        for cid in parent.child_ids:
+            self._child_parent[cid] = parent
+        return [(cid, child_params(params, i)) for i, cid in enumerate(parent.child_ids)]
+
+    def forget(self, request_id: str) -> list[str]:
+        """Drop ``request_id``; the engine ids it still has running (children, or itself)."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return [request_id]
+        for cid in parent.child_ids:
+            self._child_parent.pop(cid, None)
+        return parent.unfinished_child_ids()
+
+    def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Replace children's outputs by one aggregated output per parent touched."""
+        if not self._child_parent:
+            return outputs
+        merged: list[RequestOutput] = []
+        touched: dict[str, ParentRequest] = {}
+        for out in outputs:
+            parent = self._child_parent.get(out.request_id)
+            if parent is None:
+                merged.append(out)
+                continue
+            parent.add_child_output(out)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            merged.append(parent.make_output())
+            if parent.finished:
+                self.forget(parent.request_id)
+        return merged
+
+    def __len__(self) -> int:
+        return len(self._parents)

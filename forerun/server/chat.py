@@ -6,12 +6,14 @@ import logging
 from collections.abc import AsyncIterator
 
 import jinja2
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from forerun.engine.async_llm import RequestStream
+from forerun.engine.async_llm import RequestStream, RequestTimeoutError
 from forerun.engine.chat import apply_chat_template
 from forerun.engine.core_client import EngineDeadError
-from forerun.server.errors import APIError, engine_dead_error
+from forerun.server.edge import off_loop_if_big, unless_disconnected
+from forerun.server.errors import APIError, engine_dead_error, timeout_error
 from forerun.server.logprobs import chat_logprobs
 from forerun.server.protocol import ChatCompletionRequest
 from forerun.server.responses import (
@@ -54,17 +56,18 @@ def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
                                    "messages") from None
 
 
-async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest) -> Response:
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest,
+                                 request: Request, body_bytes: int = 0) -> Response:
     check_model(ctx, body.model)
-    ids = _prompt_ids(ctx, body)
+    ids = await off_loop_if_big(body_bytes, _prompt_ids, ctx, body)
     rid = new_id("chatcmpl")
-    streams = start_requests(ctx, body, rid, [{"prompt_token_ids": ids}],
-                             body.requested_max_tokens, None)
+    streams = await start_requests(ctx, body, rid, [{"prompt_token_ids": ids}],
+                                   body.requested_max_tokens, None, body_bytes)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, rid, streams[0]),
                                  media_type="text/event-stream")
     try:
-        (out,) = await final_outputs(streams)
+        (out,) = await unless_disconnected(request, final_outputs(streams))
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
     choices = []
@@ -115,8 +118,9 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
         if usage_on:
             yield sse(ChatCompletionChunk(rid, created, ctx.model_name, [],
                                           usage=Usage.of(n_prompt, sum(n_gen))))
-    except EngineDeadError as exc:
-        err = engine_dead_error(exc)
+    except (EngineDeadError, RequestTimeoutError) as exc:
+        err = (engine_dead_error(exc) if isinstance(exc, EngineDeadError)
+               else timeout_error(exc))
         yield sse(ErrorBody(ErrorInfo(err.message, err.type, None, err.code)))
     finally:
         stream.abort()

@@ -5,17 +5,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
+import math
+import signal
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
+from forerun import envs
 from forerun.engine.async_llm import AsyncLLM
 from forerun.engine.core_client import EngineDeadError, EngineStartupError
 from forerun.engine_args import add_engine_args, config_from_args
 from forerun.model.errors import ModelLoadError
 from forerun.server.api import build_app
+from forerun.server.config import ServerConfig
 from forerun.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -29,34 +32,84 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="model to serve (same as --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("FORERUN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                        f"${envs.API_KEY}, which unlike a flag does not show in ps)")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients send (default: the model's name)")
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    default=True, help="run the engine core in a thread of the API process")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
+    d = ServerConfig()
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="bigger bodies get 413 (default: %(default)s)")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="sequences that may wait beyond --max-num-seqs; more get 503 with "
+                        "Retry-After (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="abort a request running longer than this many seconds (504)")
+    g.add_argument("--engine-heartbeat-timeout", type=float,
+                   default=d.engine_heartbeat_timeout_s,
+                   help="seconds without a beat from the engine core before /health "
+                        "reports 503 (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="on SIGTERM, seconds in-flight requests may take to finish "
+                        "(default: %(default)s)")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
 
 
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP layer's settings from ``serve`` flags; ValueError if invalid."""
+    return ServerConfig(
+        api_key=args.api_key if args.api_key is not None else envs.api_key(),
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+        request_timeout_s=args.request_timeout,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+    )
+
+
 class _Server(uvicorn.Server):
-    """uvicorn, plus: on SIGINT/SIGTERM end in-flight requests instead of waiting on them."""
+    """uvicorn, plus forerun's shutdown rules.
+
+    SIGTERM drains: new requests are refused, in-flight ones run to the end for up to
+    ``--shutdown-timeout`` (uvicorn's graceful shutdown), then the rest are cancelled.
+    SIGINT (Ctrl-C) is "stop now": in-flight requests end at once with an error.
+    A dead engine core also stops the server, which then exits non-zero.
+    """
 
     engine: AsyncLLM | None = None
+    engine_died: bool = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         engine = self.engine
-        if engine is not None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return
-            loop.call_soon_threadsafe(
-                engine.fail_all, EngineDeadError("the server is shutting down"))
+        if engine is None:
+            return
+        engine.stop_accepting("the server is shutting down")
+        if sig == signal.SIGTERM:
+            logger.info("SIGTERM: draining in-flight requests (up to %.0f s)",
+                        self.config.timeout_graceful_shutdown or 0)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_soon_threadsafe(
+            engine.fail_all, EngineDeadError("the server is shutting down"))
+
+    def on_engine_dead(self, message: str) -> None:
+        logger.error("the engine core is dead (%s); the server exits", message)
+        self.engine_died = True
+        self.should_exit = True
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -65,8 +118,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_tag and not args.model:
         args.model = args.model_tag
     try:
+        server_config = server_config_from_args(args)
         config = config_from_args(args)
-        engine = AsyncLLM(config, engine_process=args.engine_process)
+        engine = AsyncLLM(config, engine_process=args.engine_process,
+                          max_waiting_requests=server_config.max_waiting_requests,
+                          request_timeout_s=server_config.request_timeout_s,
+                          heartbeat_timeout_s=server_config.engine_heartbeat_timeout_s)
     except (EngineStartupError, ModelLoadError, ValueError) as exc:
         logger.error("%s", exc)
         return 1
@@ -76,11 +133,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         metrics = ServerMetrics(model_name)
         engine.observer = metrics
-        app = build_app(engine, model_name, args.api_key, metrics)
-        server = _Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                        log_level=args.log_level, timeout_graceful_shutdown=5,
-                                        access_log=args.log_level == "debug"))
+        app = build_app(engine, model_name, server_config, metrics)
+        server = _Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level,
+            timeout_graceful_shutdown=int(math.ceil(server_config.shutdown_timeout_s)),
+            access_log=args.log_level == "debug"))
         server.engine = engine
+        engine.on_dead = server.on_engine_dead
         logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
         try:
             asyncio.run(server.serve())
@@ -89,4 +148,4 @@ def run_serve(args: argparse.Namespace) -> int:
             pass
     finally:
         engine.shutdown()  # no-op when the lifespan already stopped it
-    return 0
+    return 1 if server.engine_died else 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from forerun.engine.async_llm import RequestStream
+from forerun.engine.async_llm import RequestStream, RequestTimeoutError
 from forerun.engine.core_client import EngineDeadError
-from forerun.server.errors import APIError, engine_dead_error
+from forerun.server.edge import unless_disconnected
+from forerun.server.errors import APIError, engine_dead_error, timeout_error
 from forerun.server.logprobs import completion_logprobs
 from forerun.server.protocol import CompletionRequest, completion_prompts
 from forerun.server.responses import (
@@ -44,19 +46,21 @@ def _prompt_text(ctx: ServingContext, prompt: str | None, ids: list[int]) -> str
     return ctx.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-async def create_completion(ctx: ServingContext, body: CompletionRequest) -> Response:
+async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request,
+                            body_bytes: int = 0) -> Response:
     check_model(ctx, body.model)
     try:
         prompts = completion_prompts(body.prompt)
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
     rid = new_id("cmpl")
-    streams = start_requests(ctx, body, rid, prompts, body.max_tokens, _DEFAULT_MAX_TOKENS)
+    streams = await start_requests(ctx, body, rid, prompts, body.max_tokens,
+                                   _DEFAULT_MAX_TOKENS, body_bytes)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, rid, streams),
                                  media_type="text/event-stream")
     try:
-        outs = await final_outputs(streams)
+        outs = await unless_disconnected(request, final_outputs(streams))
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
     choices, n_prompt, n_gen = [], 0, 0
@@ -115,8 +119,9 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, rid: str,
         if usage_on:
             yield sse(Completion(rid, created, ctx.model_name, [],
                                  usage=Usage.of(sum(n_prompt), sum(n_gen))))
-    except EngineDeadError as exc:
-        err = engine_dead_error(exc)
+    except (EngineDeadError, RequestTimeoutError) as exc:
+        err = (engine_dead_error(exc) if isinstance(exc, EngineDeadError)
+               else timeout_error(exc))
         yield sse(ErrorBody(ErrorInfo(err.message, err.type, None, err.code)))
     finally:
         # Runs on client disconnect too (the response task is cancelled): free KV blocks.

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from forerun.engine.async_llm import EngineOverloadedError, RequestTimeoutError
 from forerun.engine.core_client import EngineDeadError
 from forerun.server.responses import ErrorBody, ErrorInfo, encode
 
@@ -24,13 +25,15 @@ class APIError(Exception):
     """An error to return as ``{"error": {...}}`` with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers
 
     @classmethod
     def bad_request(cls, message: str, param: str | None = None) -> APIError:
@@ -47,7 +50,8 @@ def param_of(message: str) -> str | None:
 
 def error_response(err: APIError) -> Response:
     body = ErrorBody(ErrorInfo(err.message, err.type, err.param, err.code))
-    return Response(encode(body), status_code=err.status, media_type="application/json")
+    return Response(encode(body), status_code=err.status, media_type="application/json",
+                    headers=err.headers)
 
 
 def engine_dead_error(exc: BaseException) -> APIError:
@@ -55,20 +59,46 @@ def engine_dead_error(exc: BaseException) -> APIError:
                     code="engine_dead")
 
 
+def overloaded_error(exc: EngineOverloadedError) -> APIError:
+    return APIError(503, str(exc), "ServiceUnavailableError", code=exc.code,
+                    headers={"Retry-After": str(exc.retry_after_s)})
+
+
+def timeout_error(exc: RequestTimeoutError) -> APIError:
+    return APIError(504, str(exc), "TimeoutError", code="request_timeout")
+
+
+# The names pydantic gives the members of a union in an error's location.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list|dict|tuple|function|constrained)")
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError.bad_request("invalid request body")
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError.bad_request(f"invalid JSON body: {first.get('msg', '')}")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     # Skip the union-member names pydantic adds, e.g. ('prompt', 'list[int]', 0).
-    fields = [p for p in loc if not re.match(r"^(str|int|float|list|dict|function)", p)]
-    param = fields[0] if fields else param_of(msg)
-    if first.get("type") == "json_invalid":
-        return APIError.bad_request(f"invalid JSON body: {msg}")
+    fields = [p for p in loc if not _UNION_MEMBER.match(p)]
+    # Only our own ValueErrors start with a field name ("Input should be ..." does not).
+    param = fields[0] if fields else (
+        param_of(msg) if first.get("type") == "value_error" else None)
+    if param and len(loc) > 1 and _UNION_MEMBER.match(loc[1]):
+        # A union fails once per member, and the first member's complaint alone misleads
+        # ("should be a valid string" for [true, false]): list what would have been valid.
+        members: list[str] = []
+        for e in errors:
+            where = [str(p) for p in e.get("loc", ()) if p != "body"]
+            if (len(where) > 1 and where[0] == param and _UNION_MEMBER.match(where[1])
+                    and where[1] not in members):
+                members.append(where[1])
+        if len(members) > 1:
+            msg = f"must be one of {', '.join(members)}"
     if param and not msg.startswith(param):
         msg = f"{param}: {msg}"
     return APIError.bad_request(msg, param)
@@ -86,6 +116,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> Response:
         return error_response(engine_dead_error(exc))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_: Request, exc: EngineOverloadedError) -> Response:
+        return error_response(overloaded_error(exc))
+
+    @app.exception_handler(RequestTimeoutError)
+    async def _timeout(_: Request, exc: RequestTimeoutError) -> Response:
+        return error_response(timeout_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:

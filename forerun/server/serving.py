@@ -13,6 +13,7 @@ from forerun.engine.async_llm import AsyncLLM, RequestStream
 from forerun.engine.processor import ProcessedPrompt
 from forerun.outputs import RequestOutput
 from forerun.sampling_params import SamplingParams
+from forerun.server.edge import off_loop_if_big
 from forerun.server.errors import APIError
 from forerun.server.protocol import _BaseRequest
 
@@ -53,28 +54,47 @@ def resolve_max_tokens(ctx: ServingContext, requested: int | None, default: int 
     return requested
 
 
-def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
-                   prompts: Sequence[Any], requested: int | None,
-                   default_max: int | None) -> list[RequestStream]:
-    """Validate every prompt first, then queue them all: a bad one queues nothing."""
-    engine = ctx.engine
+def plan_requests(ctx: ServingContext, body: _BaseRequest, prompts: Sequence[Any],
+                  requested: int | None, default_max: int | None,
+                  ) -> list[tuple[ProcessedPrompt, SamplingParams]]:
+    """Tokenise and check every prompt and its params; the first bad one raises a 400.
+
+    Pure work on the request (no engine state), so it may run on a worker thread.
+    """
+    processor = ctx.engine.processor
     plans: list[tuple[ProcessedPrompt, SamplingParams]] = []
     try:
-        keep = body.truncation(engine.max_model_len)
+        keep = body.truncation(ctx.engine.max_model_len)
         for p in prompts:
-            processed = engine.processor.process_prompt(p, keep)
+            processed = processor.process_prompt(p, keep)
             n = len(processed.prompt_token_ids)
             params = body.sampling_params(resolve_max_tokens(ctx, requested, default_max, n),
                                           keep)
-            plans.append((processed, params))
+            plans.append((processed, processor.process_params(params)))
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
+    return plans
+
+
+async def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
+                         prompts: Sequence[Any], requested: int | None,
+                         default_max: int | None, body_bytes: int = 0) -> list[RequestStream]:
+    """Validate every prompt first, then queue them all: a bad one queues nothing.
+
+    The whole request is admitted or refused at once (``n`` x prompts sequences).
+    """
+    engine = ctx.engine
+    try:
+        engine.check_admission(len(prompts) * body.n)
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc), "n") from None
+    plans = await off_loop_if_big(body_bytes, plan_requests, ctx, body, prompts, requested,
+                                  default_max)
     streams: list[RequestStream] = []
     try:
         for i, (processed, params) in enumerate(plans):
             rid = base_id if len(plans) == 1 else f"{base_id}-{i}"
-            prompt = {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}
-            streams.append(engine.add_request(rid, prompt, params))
+            streams.append(engine.add_processed_request(rid, processed, params))
     except ValueError as exc:
         for s in streams:
             s.abort()
