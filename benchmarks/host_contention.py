@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +31,12 @@ from common import markdown_table, write_json
 
 from forerun.config import EngineConfig
 from forerun.engine.builder import resolve_model_info, shared_model
-from forerun.model.testing import PagedDriver
 from forerun.worker.executor import run_on_worker_thread, worker_thread
+
+# PagedDriver is test code (tests/paged_driver.py), not part of the installed package; a
+# script run as `python benchmarks/host_contention.py` has only benchmarks/ on its path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.paged_driver import PagedDriver  # noqa: E402
 
 _BLOB = bytes(1 << 18)
 

@@ -1,5 +1,7 @@
 """A minimal paged-cache driver for tests and debugging, independent of the real runner.
 
+Test code, kept out of the installed package; ``benchmarks/host_contention.py`` uses it too.
+
 It owns a KV cache, hands out blocks in a scrambled order (so tests exercise non-contiguous
 paging), and runs arbitrary mixes of prefill chunks and decodes through a ``CausalLM``.
 """

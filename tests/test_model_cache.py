@@ -16,7 +16,7 @@ import forerun.model.gguf_file as gguf_file
 import forerun.model.loader as loader
 from forerun.model.cache import CACHE_ENV, GGUFCacheEntry, cache_root
 from forerun.model.loader import load_model, load_model_config, load_tokenizer, resolve_model
-from forerun.model.testing import PagedDriver
+from tests.paged_driver import PagedDriver
 
 CPU = torch.device("cpu")
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2

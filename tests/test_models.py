@@ -20,7 +20,7 @@ from forerun.model.loader import (
     load_model_config,
     resolve_model,
 )
-from forerun.model.testing import PagedDriver
+from tests.paged_driver import PagedDriver
 
 CPU = torch.device("cpu")
 COMMON: dict[str, Any] = dict(

@@ -16,7 +16,7 @@ from forerun.model.loader import (
     load_tokenizer,
     resolve_model,
 )
-from forerun.model.testing import PagedDriver
+from tests.paged_driver import PagedDriver
 
 pytestmark = [
     pytest.mark.slow,
