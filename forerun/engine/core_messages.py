@@ -6,8 +6,6 @@ the API process, so the core process only schedules and runs the model.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from forerun.core.output import EngineCoreOutput, TokenLogprobs
