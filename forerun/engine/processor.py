@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from forerun.sampling_params import SamplingParams
+from forerun.sampling_params import SamplingParams, check_text, check_token_ids
 
 PromptType = str | dict[str, Any]
 
@@ -35,15 +35,20 @@ class Processor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer")
+            # The tokenizer raises TypeError on a lone surrogate; name the field instead.
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             return self._check(ProcessedPrompt(prompt, _keep_last(list(ids), k)))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return self._check(ProcessedPrompt(prompt.get("prompt"), _keep_last(ids, k)))
-            if "prompt" in prompt:
+                # Ints only (no bools, no strings), each in [0, 2**63); the vocabulary
+                # bound is checked next.
+                ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None:
+                    check_text("prompt", text)
+                return self._check(ProcessedPrompt(text, _keep_last(ids, k)))
+            if isinstance(prompt.get("prompt"), str):
                 return self.process_prompt(prompt["prompt"], k)
         raise ValueError(
             "prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
