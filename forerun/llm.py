@@ -15,7 +15,7 @@ from forerun.engine.chat import apply_chat_template
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.processor import PromptType
 from forerun.outputs import RequestOutput
-from forerun.sampling_params import SamplingParams
+from forerun.sampling_params import SamplingParams, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         Every request is validated before any is queued, so one bad prompt raises
-        ``ValueError`` and nothing runs.
+        ``ValueError`` and nothing runs. Whatever interrupts the call afterwards (an error,
+        a KeyboardInterrupt) aborts its requests before it propagates: the engine stays
+        usable and every KV block is free again.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -63,8 +65,17 @@ class LLM:
             engine.processor.process_prompt(p, sp.truncate_prompt_tokens)
             engine.processor.process_params(sp)
         ids = [f"gen-{next(self._counter)}" for _ in prompts]
-        for rid, p, sp in zip(ids, prompts, params_list, strict=True):
-            engine.add_request(rid, p, sp)
+        added: list[str] = []
+        try:
+            for rid, p, sp in zip(ids, prompts, params_list, strict=True):
+                # Before the call, so that a request half added (a parallel-sampling
+                # parent with some children) is aborted too; the ids are this call's own.
+                added.append(rid)
+                engine.add_request(rid, p, sp)
+        except BaseException:
+            # The scheduler can still refuse one (more KV blocks than the cache holds).
+            self._abort_and_drain(added)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -77,6 +88,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation, or to a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conv in conversations:
+            # The tokenizer raises TypeError on a lone surrogate; name the field instead.
+            _check_texts("messages", conv)
         prompts: list[PromptType] = [
             {"prompt_token_ids": apply_chat_template(
                 self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
@@ -87,12 +101,15 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        engine.reset_stats_window()
         finished: dict[str, RequestOutput] = {}
         pending = set(ids)
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar: Any = None
+        # Everything after the requests were queued runs inside the try: even the progress
+        # bar's construction may raise, and then they must be aborted too.
         try:
+            engine.reset_stats_window()
+            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                       dynamic_ncols=True)
             while pending:
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
@@ -104,18 +121,46 @@ class LLM:
             while engine.engine_core.has_work():
                 engine.step()
         except BaseException:
-            engine.abort_request(sorted(pending))
-            while engine.engine_core.has_work():
-                engine.step()
+            self._abort_and_drain(sorted(pending))
             raise
         finally:
             engine.close_stats_window()
-            bar.close()
+            if bar is not None:
+                bar.close()
             engine.write_trace()
         return [finished[i] for i in ids]
+
+    def _abort_and_drain(self, request_ids: list[str]) -> None:
+        """Abort ``request_ids`` and retire every step in flight, so every block is free.
+
+        Called while an exception propagates; a second one here (another Ctrl-C) is logged
+        and dropped so that the first reaches the caller. The engine core has retired its
+        steps either way (EngineCore.run_step), and the next call drains what is left.
+        """
+        engine = self.llm_engine
+        try:
+            engine.abort_request(request_ids)
+            while engine.engine_core.has_work():
+                engine.step()
+        except BaseException as exc:
+            logger.warning("cleanup after an interrupted call was interrupted: %s: %s",
+                           type(exc).__name__, exc)
 
     def stats(self) -> EngineStats:
         return self.llm_engine.stats()
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
+
+
+def _check_texts(name: str, value: Any) -> None:
+    """Every string in ``value`` (nested lists and dicts) must be encodable as UTF-8."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            check_text(name, v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
