@@ -68,8 +68,10 @@ def timeout_error(exc: RequestTimeoutError) -> APIError:
     return APIError(504, str(exc), "TimeoutError", code="request_timeout")
 
 
-# The names pydantic gives the members of a union in an error's location.
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list|dict|tuple|function|constrained)")
+# The names pydantic gives the members of a union in an error's location ("str",
+# "list[int]", "function-after[...]"), matched whole: a field may start the same ("stream").
+_UNION_MEMBER = re.compile(r"^(?:(?:str|int|float|bool|list|dict|tuple|set|none)(?:\[.*\])?"
+                           r"|(?:function|constrained|json-or-python|nullable)-.*)$")
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -78,7 +80,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError.bad_request("invalid request body")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return APIError.bad_request(f"invalid JSON body: {first.get('msg', '')}")
+        msg = f"invalid JSON body: {first.get('msg', '')}"
+        if "hex escape" in msg:
+            # pydantic's JSON parser says no more than this about a lone surrogate.
+            msg += " (a lone UTF-16 surrogate such as \\ud800 is not text)"
+        return APIError(400, msg, "BadRequestError")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
@@ -101,7 +107,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
             msg = f"must be one of {', '.join(members)}"
     if param and not msg.startswith(param):
         msg = f"{param}: {msg}"
-    return APIError.bad_request(msg, param)
+    # Not bad_request: its guess from the message would make "Input" the param.
+    return APIError(400, msg, "BadRequestError", param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -25,16 +25,69 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Strict: a JSON value of the wrong type is a 400 naming the field, never coerced (true is
+# not 1, "5" is not 5, a string is not a one-element list); a JSON integer is still a valid
+# float. Python's json module reads NaN and Infinity, which no sampling field may hold.
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    """``stream_options`` of a streamed request."""
+
+    model_config = _STRICT
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_bad_text(body: dict[Any, Any]) -> str | None:
+    """The field holding the first string (or key) UTF-8 cannot encode, if any.
+
+    A lone surrogate escape (JSON "\\ud800") is refused as invalid JSON by pydantic's JSON
+    parser, which the server uses; Python's json module accepts it, and a body validated
+    from Python objects would carry a str that the tokenizer and the response encoder
+    reject with a 500 later. Found here, once, for every field: chat messages are named by
+    their path (``messages[0].content``), other fields by name; a name that is itself bad
+    is shown escaped, as the error must be encodable too.
+    """
+    stack: list[tuple[str, bool, Any]] = []
+    for key, value in body.items():
+        name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+        stack.append((name, name == "messages", key))
+        stack.append((name, name == "messages", value))
+    while stack:
+        path, deep, v = stack.pop()
+        if isinstance(v, str):
+            if not _encodable(v):
+                return path
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                stack.append((path, deep, k))
+                sub = str(k).encode("utf-8", "backslashreplace").decode("utf-8")
+                stack.append((f"{path}.{sub}" if deep else path, deep, item))
+        elif isinstance(v, list):
+            for i, item in enumerate(v):
+                stack.append((f"{path}[{i}]" if deep else path, deep, item))
+    return None
+
+
 class _BaseRequest(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions.
+
+    Types are strict (see ``_STRICT``); ranges are checked once, by SamplingParams, whose
+    ValueErrors name the field as well.
+    """
 
     # Unknown fields are ignored (with a log line), like OpenAI ignores what it doesn't know.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_STRICT)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -70,6 +123,16 @@ class _BaseRequest(BaseModel):
     prompt_logprobs: int | None = None
     # vLLM's extra: keep only the prompt's last k tokens (-1: as many as the model takes).
     truncate_prompt_tokens: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_bad_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            path = _first_bad_text(data)
+            if path is not None:
+                raise ValueError(f"{path}: is not valid Unicode text (it holds a lone "
+                                 "surrogate, which UTF-8 cannot encode)")
+        return data
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _BaseRequest:
