@@ -234,12 +234,6 @@ class SamplingParams:
         self.n = check_int("n", self.n, 1, MAX_N)
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, SEED_MIN, SEED_MAX)
-            # Parallel sampling gives child i the seed + i (engine/parallel_sampling.py),
-            # and every child's seed must still fit the wire's 64 bits.
-            if self.seed + self.n - 1 > SEED_MAX:
-                raise ValueError(
-                    f"seed must be at most {SEED_MAX} - (n - 1) = {SEED_MAX - self.n + 1} "
-                    f"with n={self.n}, got {self.seed}.")
         self.stop = self._stop_strings()
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 import forerun.llm
 from forerun import LLM
 from forerun.engine.core_messages import AddRequest, input_decoder, input_encoder
+from forerun.engine.parallel_sampling import child_params
 from forerun.sampling_params import (
     INT64_MAX,
     MAX_N,
@@ -105,11 +106,13 @@ def test_bad_value_raises_value_error_naming_the_field(field: str, value: Any) -
     str(e.value).encode("utf-8")
 
 
-def test_seed_plus_parallel_children_must_fit_64_bits() -> None:
-    # Child i of an n > 1 request is seeded seed + i; every child's seed must still travel.
-    SamplingParams(seed=SEED_MAX - 3, n=4)
-    with pytest.raises(ValueError, match="^seed"):
-        SamplingParams(seed=SEED_MAX - 2, n=4)
+def test_child_seeds_wrap_modulo_2_64() -> None:
+    # Child i of an n > 1 request is seeded seed + i, wrapped to stay a 64-bit seed; the
+    # worker keys streams modulo 2**64, so the wrap changes no stream.
+    p = SamplingParams(seed=SEED_MAX - 1, n=4)
+    assert [child_params(p, i).seed for i in range(4)] == [SEED_MAX - 1, SEED_MAX, 0, 1]
+    assert [child_params(SamplingParams(seed=-2, n=3), i).seed for i in range(3)] == \
+        [SEED_MAX - 1, SEED_MAX, 0]
 
 
 GOOD: list[tuple[dict[str, Any], dict[str, Any]]] = [

@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from forerun.config import EngineConfig
@@ -85,7 +86,24 @@ class EngineCoreProc:
                 raw = self.in_sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(input_decoder.decode(raw))
+            try:
+                msg = input_decoder.decode(raw)
+            except msgspec.MsgspecError as exc:
+                self._reject(raw, exc)
+                continue
+            self._handle(msg)
+
+    def _reject(self, raw: bytes, exc: Exception) -> None:
+        """A message that does not decode fails alone, never the core: a request that
+        slipped past the frontend's validation ends with finish reason ``error``."""
+        logger.error("dropping an undecodable message from the API process: %s", exc)
+        try:
+            fields = msgspec.msgpack.decode(raw)
+        except msgspec.MsgspecError:
+            return
+        if (isinstance(fields, list) and len(fields) > 1 and fields[0] == "add"
+                and isinstance(fields[1], str)):
+            self._send(CoreOutputs([WireOutput(fields[1], [], "error", None, 0)]))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):

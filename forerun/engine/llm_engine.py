@@ -10,7 +10,7 @@ from forerun.core.block_hash import make_block_hasher
 from forerun.core.stats import EngineStats
 from forerun.engine.builder import build_engine_core, resolve_model_info, shared_tokenizer
 from forerun.engine.output_processor import OutputProcessor
-from forerun.engine.parallel_sampling import ParentRequest, child_params
+from forerun.engine.parallel_sampling import ParallelSampling
 from forerun.engine.processor import ProcessedPrompt, Processor, PromptType
 from forerun.outputs import RequestOutput
 from forerun.request import Request
@@ -37,9 +37,7 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
                                    info.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # Parallel sampling: parents by id, and each child's parent.
-        self._parents: dict[str, ParentRequest] = {}
-        self._child_parent: dict[str, ParentRequest] = {}
+        self._parallel = ParallelSampling()
 
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -52,15 +50,9 @@ class LLMEngine:
         processed = self.processor.process_prompt(prompt, params.truncate_prompt_tokens)
         params = self.processor.process_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        if params.n == 1:
-            self._add_one(request_id, processed, params, arrival)
-            return
-        parent = ParentRequest(request_id, params.n)
-        self._parents[request_id] = parent
         # Back to back, so one scheduling step admits them all and they share the prompt.
-        for i, cid in enumerate(parent.child_ids):
-            self._child_parent[cid] = parent
-            self._add_one(cid, processed, child_params(params, i), arrival)
+        for rid, p in self._parallel.fan_out(request_id, params):
+            self._add_one(rid, processed, p, arrival)
 
     def _add_one(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                  arrival: float) -> None:
@@ -72,15 +64,7 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by id; a parallel-sampling parent aborts all its children."""
-        engine_ids: list[str] = []
-        for rid in request_ids:
-            parent = self._parents.pop(rid, None)
-            if parent is None:
-                engine_ids.append(rid)
-                continue
-            for cid in parent.child_ids:
-                self._child_parent.pop(cid, None)
-            engine_ids.extend(parent.unfinished_child_ids())
+        engine_ids = [eid for rid in request_ids for eid in self._parallel.forget(rid)]
         for rid in engine_ids:
             self.output_processor.abort_request(rid)
         self.engine_core.abort_requests(engine_ids)
@@ -92,30 +76,10 @@ class LLMEngine:
         core_outputs = self.engine_core.run_step()
         with self.tracer.span("output", ENGINE_LANE):
             outputs, to_abort = self.output_processor.process_outputs(core_outputs)
-            if self._child_parent:
-                outputs = self._merge_children(outputs)
+            outputs = self._parallel.merge(outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         return outputs
-
-    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Replace children's outputs by one aggregated output per parent touched."""
-        merged: list[RequestOutput] = []
-        touched: dict[str, ParentRequest] = {}
-        for out in outputs:
-            parent = self._child_parent.get(out.request_id)
-            if parent is None:
-                merged.append(out)
-                continue
-            parent.add_child_output(out)
-            touched[parent.request_id] = parent
-        for parent in touched.values():
-            merged.append(parent.make_output())
-            if parent.finished:
-                del self._parents[parent.request_id]
-                for cid in parent.child_ids:
-                    self._child_parent.pop(cid, None)
-        return merged
 
     # ----- stats, shutdown --------------------------------------------------------------
     def reset_stats_window(self) -> None:

@@ -21,12 +21,14 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Child ``index``'s params: ``n=1``, and ``seed + index`` when seeded.
 
     Distinct seeds make the completions differ while staying reproducible; without a
-    seed each child draws from the batch's shared stream, so they differ anyway.
+    seed each child draws from the batch's shared stream, so they differ anyway. The sum
+    wraps modulo 2**64, as the worker keys streams by the seed modulo 2**64 anyway, so
+    every valid seed works with every n.
     """
     p = params.clone()
     p.n = 1
     if p.seed is not None:
-        p.seed = p.seed + index
+        p.seed = (p.seed + index) % (1 << 64)
     return p
 
 
