@@ -33,6 +33,7 @@ import forerun.llm
 from forerun import LLM
 from forerun.engine.core_messages import AddRequest, input_decoder, input_encoder
 from forerun.engine.parallel_sampling import child_params
+from forerun.engine.processor import Processor
 from forerun.sampling_params import (
     INT64_MAX,
     MAX_N,
@@ -544,3 +545,35 @@ def test_interrupt_while_queueing_leaves_nothing_queued(
     assert not llm.llm_engine.has_unfinished_requests()
     assert_all_blocks_free(llm)
     assert run(llm) == reference
+
+
+# ----- huge text prompts ----------------------------------------------------------------------
+class _CountingTokenizer:
+    """Wraps a tokenizer and records the length of every text it encodes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.encoded: list[int] = []
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.encoded.append(len(text))
+        return self.inner.encode(text, **kwargs)
+
+
+def test_a_huge_prompt_is_refused_after_tokenising_only_its_head(llm: LLM) -> None:
+    real = llm.get_tokenizer()
+    tok = _CountingTokenizer(real)
+    max_len = 64
+    processor = Processor(tok, max_len, VOCAB, [])
+    huge = "w5z w6z " * 200_000  # 1.6 M characters
+    with pytest.raises(ValueError, match="^prompt: the prompt is longer"):
+        processor.process_prompt(huge)
+    assert max(tok.encoded) <= 8 * max_len  # never the whole text
+    # The oracle: tokenised whole, the prompt is indeed far over the limit.
+    assert len(real.encode(huge[:100_000])) > max_len
+    # Text that fits is tokenised whole and accepted, head check or not.
+    fits = "w5z " * 10
+    assert processor.process_prompt(fits).prompt_token_ids == real.encode(fits)
+    # Truncation keeps the last tokens, so it needs the whole text tokenised.
+    kept = processor.process_prompt(huge, truncate_prompt_tokens=8)
+    assert kept.prompt_token_ids == real.encode(huge)[-8:]

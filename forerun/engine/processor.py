@@ -9,6 +9,11 @@ from forerun.sampling_params import SamplingParams, check_text, check_token_ids
 
 PromptType = str | dict[str, Any]
 
+# A text prompt longer than this many characters per context token is first tokenised
+# only up to that length: English runs about 4 characters a token, so a head that long
+# already overflows the context unless the text is unusually dense.
+_HEAD_CHARS_PER_TOKEN = 8
+
 
 @dataclass(slots=True)
 class ProcessedPrompt:
@@ -37,6 +42,8 @@ class Processor:
                 raise ValueError("prompt: text prompts need a tokenizer")
             # The tokenizer raises TypeError on a lone surrogate; name the field instead.
             check_text("prompt", prompt)
+            if k is None:
+                self._reject_if_surely_too_long(prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             return self._check(ProcessedPrompt(prompt, _keep_last(list(ids), k)))
         if isinstance(prompt, dict):
@@ -54,6 +61,20 @@ class Processor:
             "prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
             f"got {type(prompt).__name__}"
         )
+
+    def _reject_if_surely_too_long(self, prompt: str) -> None:
+        """Tokenise just a head of a huge prompt: when that alone fills the context, the
+        rest (megabytes, seconds of CPU) is never tokenised for a request that must fail."""
+        head = _HEAD_CHARS_PER_TOKEN * self.max_model_len
+        if len(prompt) <= head:
+            return
+        n = len(self.tokenizer.encode(prompt[:head], add_special_tokens=True))
+        # The cut may split one token in two; beyond that the whole is at least as long.
+        if n > self.max_model_len + 1:
+            raise ValueError(
+                f"prompt: the prompt is longer than the model's context length of "
+                f"{self.max_model_len} tokens (max_model_len): its first {head} characters "
+                f"alone are {n} tokens")
 
     def _check(self, p: ProcessedPrompt) -> ProcessedPrompt:
         n = len(p.prompt_token_ids)
