@@ -168,13 +168,17 @@ def test_request_timeout_is_504_and_frees_blocks(limits: ServerHandle) -> None:
 # ----- the HTTP edge ----------------------------------------------------------------------
 def _raw_request(server: ServerHandle, headers: dict[str, str], body: bytes = b"",
                  timeout_s: float = 10.0) -> bytes:
-    """Send a request head (and maybe part of a body); the first bytes of the reply."""
+    """Send a request head (and maybe part of a body); the reply, read until the server
+    closes the connection (it must: the announced body was never read)."""
     url = urlparse(server.base_url)
     with socket.create_connection((url.hostname, url.port), timeout=timeout_s) as sock:
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode()
                      + body)
-        return sock.recv(4096)
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+        return reply
 
 
 def test_wrong_key_is_401_before_the_body_is_sent(limits: ServerHandle) -> None:
