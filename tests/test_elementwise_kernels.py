@@ -105,3 +105,14 @@ def test_argmax_kernel_returns_torchs_first_maximum() -> None:
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
     assert cpu_kernels.argmax_rows(x).tolist() == [int(x[0].argmax()), 17, 0, 999, 0,
                                                    int(x[5].argmax())]
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone() -> None:
+    # A library linked with -ffast-math turns on flush-to-zero for the whole process when
+    # it loads; numbers every other library computes would silently change.
+    cpu_kernels.kernel_library()
+    tiny = 2.2250738585072014e-308  # the smallest normal double
+    assert tiny / 4 != 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
+    subnormal = torch.tensor([1e-39], dtype=torch.float32) * torch.tensor([0.5])
+    assert subnormal.item() != 0.0

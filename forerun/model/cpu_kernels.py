@@ -35,7 +35,11 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.c"))
 _HEADERS = sorted(_CSRC.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked in a separate step without -ffast-math: with it, GCC links crtfastmath.o, whose
+# constructor turns on flush-to-zero and denormals-are-zero for the whole process when the
+# library loads, silently changing the float results of everything else in it.
+_LINK_FLAGS = ["-fopenmp", "-shared"]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _bf16_fast: bool | None = None  # small_matmul_is_fast(bfloat16), once known
@@ -59,7 +63,8 @@ def _build(compiler: str, out_dir: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     key = hashlib.sha256(
-        "\0".join([*(src.read_text() for src in [*_SOURCES, *_HEADERS]), " ".join(_FLAGS), version,
+        "\0".join([*(src.read_text() for src in [*_SOURCES, *_HEADERS]), " ".join(_FLAGS),
+                   " ".join(_LINK_FLAGS), version,
                    _cpu_identity(), platform.machine()]).encode()
     ).hexdigest()[:16]
     target = out_dir / f"forerun_kernels-{key}.so"
@@ -68,17 +73,24 @@ def _build(compiler: str, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"],
-                              capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr.strip()[-2000:])
-        os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=out_dir) as obj_dir:
+        try:
+            objects = [str(Path(obj_dir) / f"{src.stem}.o") for src in _SOURCES]
+            for src, obj in zip(_SOURCES, objects, strict=True):
+                _run([compiler, *_FLAGS, "-c", str(src), "-o", obj])
+            _run([compiler, *_LINK_FLAGS, "-o", tmp, *objects, "-lm"])
+            os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     logger.info("compiled %s -> %s", ", ".join(src.name for src in _SOURCES), target)
     return target
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip()[-2000:])
 
 
 def _load() -> ctypes.CDLL | None:
