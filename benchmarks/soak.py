@@ -210,7 +210,8 @@ async def soak(url: str, clients: int, duration: float, warmup: float, server_pi
                seed: int) -> dict[str, Any]:
     tally = Tally()
     core = engine_pid(server_pid)
-    stop_at = time.monotonic() + duration
+    t0 = time.monotonic()
+    stop_at = t0 + duration
     rss: dict[str, float] = {}
 
     async def worker(i: int) -> None:
@@ -220,18 +221,23 @@ async def soak(url: str, clients: int, duration: float, warmup: float, server_pi
             while time.monotonic() < stop_at:
                 await one_request(client, url, rng, tally)
 
-    async def sampler() -> None:
-        await asyncio.sleep(warmup)
-        rss["api_warm_mib"], rss["engine_warm_mib"] = rss_mib(server_pid), rss_mib(core)
+    series: list[tuple[float, float, float]] = []
 
-    t0 = time.monotonic()
+    async def sampler() -> None:
+        # Every 30 s: a leak climbs steadily, a cache filling up levels off.
+        while time.monotonic() < stop_at:
+            series.append((round(time.monotonic() - t0), rss_mib(server_pid), rss_mib(core)))
+            if not rss and time.monotonic() - t0 >= warmup:
+                rss["api_warm_mib"], rss["engine_warm_mib"] = series[-1][1:]
+            await asyncio.sleep(min(30.0, warmup))
+
     await asyncio.gather(sampler(), *(worker(i) for i in range(clients)))
     elapsed = time.monotonic() - t0
     async with httpx.AsyncClient(timeout=30) as c:
         idle = await _wait_idle(c, url)
     rss["api_end_mib"], rss["engine_end_mib"] = rss_mib(server_pid), rss_mib(core)
     return {"elapsed_s": elapsed, "counts": dict(tally.counts), "failures": tally.failures,
-            **rss, **idle}
+            "rss_series_s_api_engine_mib": series, **rss, **idle}
 
 
 async def _wait_idle(c: httpx.AsyncClient, url: str, timeout_s: float = 120) -> dict[str, Any]:
@@ -290,6 +296,8 @@ def main() -> int:
                                f"{res['engine_end_mib']:.0f} ({growth.get('engine', 0):+.1f}%)",
              "tracebacks": res["server_tracebacks"]}]
     print(markdown_table(rows, list(rows[0])))
+    print("RSS (s, API MiB, engine MiB):",
+          " ".join(f"{t}:{a:.0f}/{e:.0f}" for t, a, e in res["rss_series_s_api_engine_mib"]))
     for why in res["failures"]:
         print("  failure:", why)
     ok = (c.get("failed", 0) == 0 and res["idle_at_end"]

@@ -62,21 +62,21 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        raw = await read_body(request, limit)
-        body = await off_loop_if_big(len(raw), parse_body, CompletionRequest, raw)
         try:
+            raw = await read_body(request, limit)
+            body = await off_loop_if_big(len(raw), parse_body, CompletionRequest, raw)
             return await create_completion(ctx, body, request, len(raw))
         except ClientDisconnected:
-            return Response(status_code=499)
+            return Response(status_code=499)  # nobody reads it; nothing to log
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        raw = await read_body(request, limit)
-        body = await off_loop_if_big(len(raw), parse_body, ChatCompletionRequest, raw)
         try:
+            raw = await read_body(request, limit)
+            body = await off_loop_if_big(len(raw), parse_body, ChatCompletionRequest, raw)
             return await create_chat_completion(ctx, body, request, len(raw))
         except ClientDisconnected:
-            return Response(status_code=499)
+            return Response(status_code=499)  # nobody reads it; nothing to log
 
     _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest])
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from forerun.server.config import OFFLOAD_BODY_BYTES
 from forerun.server.errors import APIError, error_response
@@ -75,11 +76,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, or 413 as soon as a chunked one passes ``limit``."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected from None
     return b"".join(chunks)
 
 
