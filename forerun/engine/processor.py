@@ -108,8 +108,9 @@ class Processor:
                           ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is out of vocabulary "
-                                 f"(0..{self.vocab_size - 1})")
+                raise ValueError(f"{name}: token id {bad[0]} is out of vocabulary (the "
+                                 f"vocabulary size is {self.vocab_size}: ids "
+                                 f"0..{self.vocab_size - 1})")
         if params.bad_words:
             params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         return params

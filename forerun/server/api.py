@@ -42,7 +42,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     metrics = metrics or ServerMetrics(model_name)
     if engine.observer is None:
         engine.observer = metrics
-    ctx = ServingContext(engine, model_name)
+    ctx = ServingContext(engine, model_name,
+                         force_include_usage=server.enable_force_include_usage)
     created = now_s()
     limit = server.max_request_body_bytes
 

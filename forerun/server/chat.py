@@ -12,6 +12,8 @@ from fastapi.responses import Response, StreamingResponse
 from forerun.engine.async_llm import RequestStream, RequestTimeoutError
 from forerun.engine.chat import apply_chat_template
 from forerun.engine.core_client import EngineDeadError
+from forerun.outputs import RequestOutput
+from forerun.server.chat_extras import StreamTokenIds, add_prompt_extras
 from forerun.server.edge import off_loop_if_big, unless_disconnected
 from forerun.server.errors import APIError, engine_dead_error, timeout_error
 from forerun.server.logprobs import chat_logprobs
@@ -74,34 +76,46 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     for c in out.outputs:
         lps = None
         if body.logprobs and c.logprobs is not None:
-            lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+            lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
+                                body.tokens_as_ids)
         choices.append(ChatChoice(c.index, ChatMessage("assistant", c.text), lps,
                                   finish_reason=c.finish_reason))
+        if body.return_token_ids:
+            choices[-1].token_ids = list(c.token_ids)
     resp = ChatCompletion(
         rid, now_s(), ctx.model_name, choices,
         Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)))
+    add_prompt_extras(resp, body, out)
     return Response(encode(resp), media_type="application/json")
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
                   stream: RequestStream) -> AsyncIterator[bytes]:
-    created, usage_on = now_s(), body.include_usage
+    created = now_s()
+    usage_on = body.usage_wanted(ctx.force_include_usage)
+    continuous = body.continuous_usage(ctx.force_include_usage)
     usage = None if usage_on else UNSET
 
     def chunk(index: int, delta: ChatDelta, finish: str | None,
               lps: ChatLogprobs | None = None) -> bytes:
+        ids, prompt_ids = extras.token_ids(index, out_now)
         return sse(ChatCompletionChunk(
             rid, created, ctx.model_name,
-            [ChatChunkChoice(index, delta, lps, finish_reason=finish)], usage=usage))
+            [ChatChunkChoice(index, delta, lps, finish_reason=finish, token_ids=ids)],
+            # Role chunks go out before the prompt's length is known: usage null there.
+            usage=Usage.of(n_prompt, n_gen[index]) if continuous and out_now else usage,
+            prompt_token_ids=prompt_ids))
 
     n = body.n
     sent, n_gen, done = [0] * n, [0] * n, [False] * n
     n_prompt = 0
+    out_now: RequestOutput | None = None  # the output being streamed, for chunk()
+    extras = StreamTokenIds(body.return_token_ids, n)
     try:
         for i in range(n):
             yield chunk(i, ChatDelta(role="assistant", content=""), None)
         async for out in stream:
-            n_prompt = len(out.prompt_token_ids)
+            n_prompt, out_now = len(out.prompt_token_ids), out
             for c in out.outputs:
                 i = c.index
                 # With n > 1 each output holds every completion: send only what moved.
@@ -111,7 +125,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
                 lps = None
                 if body.logprobs and c.logprobs is not None:
                     lps = chat_logprobs(c.token_ids[n_gen[i]:], c.logprobs[n_gen[i]:],
-                                        body.top_logprobs or 0)
+                                        body.top_logprobs or 0, body.tokens_as_ids)
                 n_gen[i] = len(c.token_ids)
                 done[i] = c.finish_reason is not None
                 yield chunk(i, ChatDelta(content=text), c.finish_reason, lps)

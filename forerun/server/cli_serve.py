@@ -57,6 +57,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds in-flight requests may take to finish "
                         "(default: %(default)s)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with a usage chunk, as if the request had set "
+                        "stream_options.include_usage")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json")
     add_engine_args(p)
@@ -74,6 +77,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         disable_fastapi_docs=args.disable_fastapi_docs,
+        enable_force_include_usage=args.enable_force_include_usage,
     )
 
 

@@ -10,15 +10,22 @@ from fastapi.responses import Response, StreamingResponse
 
 from forerun.engine.async_llm import RequestStream, RequestTimeoutError
 from forerun.engine.core_client import EngineDeadError
+from forerun.outputs import PositionLogprobs, RequestOutput
 from forerun.server.edge import unless_disconnected
 from forerun.server.errors import APIError, engine_dead_error, timeout_error
-from forerun.server.logprobs import completion_logprobs
+from forerun.server.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+    prompt_logprobs_json,
+)
 from forerun.server.protocol import CompletionRequest, completion_prompts
 from forerun.server.responses import (
     SSE_DONE,
     UNSET,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     ErrorBody,
     ErrorInfo,
     Usage,
@@ -64,28 +71,65 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
     choices, n_prompt, n_gen = [], 0, 0
+    as_ids = body.tokens_as_ids
     for i, out in enumerate(outs):
+        prompt_lps = None
+        if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
+                                              body.prompt_logprobs, as_ids)
         for c in out.outputs:
-            text = c.text
-            prefix = len(text)
-            if body.echo:
-                text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
-            lps = None
-            if body.logprobs is not None and c.logprobs is not None:
-                lps = completion_logprobs(c.token_ids, c.logprobs, body.logprobs,
-                                          len(text) - prefix)
+            choice = _choice(ctx, body, i * body.n + c.index, out, c.text, c.token_ids,
+                             c.logprobs, 0, True)
+            choice.finish_reason = c.finish_reason
+            if prompt_lps is not None:
+                choice.prompt_logprobs = prompt_lps
             # Choices of prompt i are i * n + index, as in OpenAI and vLLM.
-            choices.append(CompletionChoice(i * body.n + c.index, text, lps,
-                                            finish_reason=c.finish_reason))
+            choices.append(choice)
             n_gen += len(c.token_ids)
         n_prompt += len(out.prompt_token_ids)
     resp = Completion(rid, now_s(), ctx.model_name, choices, usage=Usage.of(n_prompt, n_gen))
     return Response(encode(resp), media_type="application/json")
 
 
+def _choice(ctx: ServingContext, body: CompletionRequest, index: int, out: RequestOutput,
+            text: str, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
+            offset: int, first: bool) -> CompletionChoice:
+    """A choice (or a stream chunk's) for new ``text``/``token_ids``, offsets from offset.
+
+    ``first``: the choice's first piece, which carries the echoed prompt (with its
+    logprobs) and, with return_token_ids, the prompt's token ids.
+    """
+    prefix = ""
+    if first and body.echo:
+        prefix = _prompt_text(ctx, out.prompt, out.prompt_token_ids)
+    lps = None
+    if body.logprobs is not None and logprobs is not None:
+        lps = completion_logprobs(token_ids, logprobs, body.logprobs, offset + len(prefix),
+                                  body.tokens_as_ids)
+        if first and body.echo:
+            lps = join_logprobs(_echo_logprobs(ctx, body, out), lps)
+    text = prefix + text
+    choice = CompletionChoice(index, text, lps)
+    if body.return_token_ids:
+        choice.token_ids = list(token_ids)
+        if first:
+            choice.prompt_token_ids = list(out.prompt_token_ids)
+    return choice
+
+
+def _echo_logprobs(ctx: ServingContext, body: CompletionRequest,
+                   out: RequestOutput) -> CompletionLogprobs:
+    ids = out.prompt_token_ids
+    first = ctx.engine.tokenizer.decode(ids[:1], skip_special_tokens=False) if ids else ""
+    return echo_logprobs(ids, out.prompt_logprobs or [None] * len(ids), first,
+                         body.logprobs or 0, body.tokens_as_ids)
+
+
 async def _stream(ctx: ServingContext, body: CompletionRequest, rid: str,
                   streams: list[RequestStream]) -> AsyncIterator[bytes]:
-    created, usage_on = now_s(), body.include_usage
+    created = now_s()
+    usage_on = body.usage_wanted(ctx.force_include_usage)
+    continuous = body.continuous_usage(ctx.force_include_usage)
     num_choices = len(streams) * body.n  # choice j = prompt j // n, completion j % n
     sent = [0] * num_choices
     n_prompt, n_gen = [0] * len(streams), [0] * num_choices
@@ -99,23 +143,19 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, rid: str,
                 # With n > 1 each output holds every completion: send only what moved.
                 if done[j] or (len(c.token_ids) == n_gen[j] and c.finish_reason is None):
                     continue
-                text = c.text[sent[j]:]
-                if body.echo and sent[j] == 0 and n_gen[j] == 0:
-                    text = _prompt_text(ctx, out.prompt, out.prompt_token_ids) + text
-                    offset[j] = len(text) - len(c.text)
-                lps = None
-                if body.logprobs is not None and c.logprobs is not None:
-                    k = n_gen[j]
-                    lps = completion_logprobs(c.token_ids[k:], c.logprobs[k:], body.logprobs,
-                                              offset[j])
-                    offset[j] += sum(len(t) for t in lps.tokens)
+                k, first = n_gen[j], sent[j] == 0 and n_gen[j] == 0
+                choice = _choice(ctx, body, j, out, c.text[sent[j]:], c.token_ids[k:],
+                                 c.logprobs[k:] if c.logprobs is not None else None,
+                                 offset[j], first)
+                choice.finish_reason = c.finish_reason
+                # The next token's offset: past everything this choice has shown so far.
+                offset[j] += len(choice.text)
                 sent[j], n_gen[j] = len(c.text), len(c.token_ids)
                 done[j] = c.finish_reason is not None
-                chunk = Completion(
-                    rid, created, ctx.model_name,
-                    [CompletionChoice(j, text, lps, finish_reason=c.finish_reason)],
-                    usage=None if usage_on else UNSET)
-                yield sse(chunk)
+                # vLLM's continuous usage: this choice's prompt and tokens so far.
+                usage = (Usage.of(n_prompt[i], n_gen[j]) if continuous
+                         else None if usage_on else UNSET)
+                yield sse(Completion(rid, created, ctx.model_name, [choice], usage=usage))
         if usage_on:
             yield sse(Completion(rid, created, ctx.model_name, [],
                                  usage=Usage.of(sum(n_prompt), sum(n_gen))))

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from forerun.sampling_params import SamplingParams
+from forerun.sampling_params import MAX_LOGPROBS, SamplingParams
 from forerun.server.structured import structured_outputs_of
 
 logger = logging.getLogger(__name__)
 
-# OpenAI fields we do not implement, with the values that mean "off": those are accepted,
-# anything else is a 400 naming the field rather than a silently different result.
+# OpenAI and vLLM fields we do not implement, with the values that mean "off": those are
+# accepted, anything else is a 400 naming the field rather than a silently different
+# result. A field not listed here and not declared below is ignored with a log line, as
+# vLLM ignores what it does not know. vLLM's names (its ``CompletionRequest`` and
+# ``ChatCompletionRequest`` extras) are listed so a vLLM client learns what it lacks.
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -22,6 +25,38 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
+    # vLLM's sampling extras.
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "logits_processors": (None, []),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "logprob_token_ids": (None,),
+    # vLLM's request extras.
+    "prompt_embeds": (None,),
+    "priority": (None, 0),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "return_token_offsets": (None, False),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+}
+# Extras of one endpoint only; where vLLM's default differs between the endpoints
+# (add_special_tokens), so does the value that means "as forerun does it".
+_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "add_special_tokens": (None, True),
+}
+_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "add_special_tokens": (None, False),
+    "echo": (None, False),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None, []),
+    "reasoning_effort": (None,),
 }
 
 
@@ -104,7 +139,12 @@ class _BaseRequest(BaseModel):
     min_tokens: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's extras: prompt and output token ids in the response; logprobs' tokens shown
+    # as ``token_id:<id>``.
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     # Structured output (forerun/server/structured.py): at most one of these.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -134,20 +174,51 @@ class _BaseRequest(BaseModel):
                                  "surrogate, which UTF-8 cannot encode)")
         return data
 
+    # The endpoint's own unsupported extras, on top of _UNSUPPORTED_DEFAULTS.
+    _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _BaseRequest:
         extra = self.model_extra or {}
         for name, value in extra.items():
-            allowed = _UNSUPPORTED_DEFAULTS.get(name)
+            allowed = self._endpoint_unsupported.get(name, _UNSUPPORTED_DEFAULTS.get(name))
             if allowed is None:
                 logger.info("ignoring unknown request field %r", name)
-            elif value not in allowed:
+            # `in` alone would take 0 for False and 1.0 for True: the type must match too.
+            elif not any(value == a and type(value) is type(a) for a in allowed):
                 raise ValueError(f"{name}: is not supported by this server (got {value!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_stream_fields(self) -> _BaseRequest:
+        # vLLM's rules: usage options only mean something for a stream, and prompt
+        # logprobs are not streamed.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available when stream is true")
         return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def usage_wanted(self, force: bool = False) -> bool:
+        """Whether a stream ends with a usage chunk (``force``: --enable-force-include-usage)."""
+        return force or self.include_usage
+
+    def continuous_usage(self, force: bool = False) -> bool:
+        """Usage on every chunk: vLLM's ``continuous_usage_stats``, with usage on at all."""
+        return self.usage_wanted(force) and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def tokens_as_ids(self) -> bool:
+        return bool(self.return_tokens_as_token_ids)
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs the engine must compute (an echo may need them too)."""
+        return _logprobs_count("prompt_logprobs", self.prompt_logprobs)
 
     def num_logprobs(self) -> int | None:
         """Top-N logprobs per output token, None for none (the endpoints differ)."""
@@ -186,7 +257,7 @@ class _BaseRequest(BaseModel):
             bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
             logprobs=self.num_logprobs(),
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs(),
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -197,6 +268,7 @@ class _BaseRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             n=self.n,
             structured_outputs=structured_outputs_of({
@@ -216,8 +288,17 @@ class CompletionRequest(_BaseRequest):
     echo: bool = False
     logprobs: int | None = None
 
+    _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _COMPLETION_UNSUPPORTED
+
     def num_logprobs(self) -> int | None:
-        return self.logprobs
+        return _logprobs_count("logprobs", self.logprobs)
+
+    def engine_prompt_logprobs(self) -> int | None:
+        # An echo with logprobs shows the prompt's tokens with their top `logprobs` too.
+        own = _logprobs_count("prompt_logprobs", self.prompt_logprobs)
+        if self.echo and self.logprobs is not None:
+            return max(own or 0, self.num_logprobs() or 0)
+        return own
 
 
 class ChatCompletionRequest(_BaseRequest):
@@ -229,9 +310,12 @@ class ChatCompletionRequest(_BaseRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _CHAT_UNSUPPORTED
+
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}.")
+        top = _logprobs_count("top_logprobs", self.top_logprobs)
+        if top is not None and top > MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}.")
         if not self.logprobs:
             if self.top_logprobs:
                 raise ValueError("top_logprobs: needs logprobs to be true")
@@ -242,6 +326,22 @@ class ChatCompletionRequest(_BaseRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+
+def _logprobs_count(name: str, value: int | None) -> int | None:
+    """A logprobs count as the engine takes it; ValueError names the field.
+
+    vLLM reads -1 as "the whole vocabulary" and allows it only when its ``max_logprobs``
+    is -1 too; forerun's limit is fixed at vLLM's default (MAX_LOGPROBS), so -1 is
+    refused the way vLLM refuses it by default, saying why.
+    """
+    if value is None or value >= 0:
+        return value
+    if value == -1:
+        raise ValueError(f"{name}: -1 asks for the whole vocabulary, which is greater than "
+                         f"max allowed: {MAX_LOGPROBS} (max_logprobs)")
+    raise ValueError(f"{name}: must be -1 (the whole vocabulary) or a count from 0 to "
+                     f"{MAX_LOGPROBS}, got {value}")
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:

@@ -26,11 +26,29 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """One entry of vLLM's ``prompt_logprobs``: a candidate token at a prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's ``prompt_logprobs``: one per prompt token, None for the first (nothing predicts
+# it), else token id (a JSON key, so a string) -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's extras, left out of the JSON unless asked for (return_token_ids,
+    # prompt_logprobs); a stream sends prompt_token_ids in each choice's first chunk only.
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = UNSET
+    token_ids: list[int] | msgspec.UnsetType = UNSET
 
 
 class Completion(msgspec.Struct):
@@ -71,6 +89,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | msgspec.UnsetType = UNSET  # with return_token_ids
 
 
 class ChatCompletion(msgspec.Struct):
@@ -80,6 +99,9 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    # vLLM puts these on the response, not the choice (the prompt is shared by all).
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = UNSET
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -92,6 +114,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | msgspec.UnsetType = UNSET  # this chunk's, with return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -101,6 +124,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | None | msgspec.UnsetType = UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = UNSET  # first chunk only
 
 
 class ModelCard(msgspec.Struct):

@@ -24,6 +24,8 @@ class ServingContext:
 
     engine: AsyncLLM
     model_name: str
+    # --enable-force-include-usage: every stream ends with a usage chunk, asked or not.
+    force_include_usage: bool = False
 
 
 def new_id(prefix: str) -> str:
