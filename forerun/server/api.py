@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,23 +15,38 @@ from pydantic import BaseModel
 
 import forerun
 from forerun.engine.async_llm import AsyncLLM
+from forerun.engine.processor import ProcessedPrompt
+from forerun.sampling_params import SamplingParams
 from forerun.server.chat import create_chat_completion
 from forerun.server.completions import create_completion
 from forerun.server.config import ServerConfig
 from forerun.server.edge import (
     ClientDisconnected,
     EdgeGuard,
+    LoadTracker,
+    RequestIdHeaders,
+    ServerLoad,
     off_loop_if_big,
     parse_body,
     read_body,
 )
-from forerun.server.errors import install_error_handlers
+from forerun.server.errors import APIError, install_error_handlers
 from forerun.server.metrics import ServerMetrics
 from forerun.server.protocol import ChatCompletionRequest, CompletionRequest
 from forerun.server.responses import ModelCard, ModelList, encode
 from forerun.server.serving import ServingContext, now_s
+from forerun.server.tokenize import (
+    DetokenizeRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    parse_tokenize,
+    tokenize,
+    tokenizer_info,
+)
 
 logger = logging.getLogger(__name__)
+# Its own logger, so request lines can be filtered or silenced apart from the rest.
+request_log = logging.getLogger("forerun.server.requests")
 
 _REF = "#/components/schemas/{model}"
 
@@ -42,7 +58,10 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     metrics = metrics or ServerMetrics(model_name)
     if engine.observer is None:
         engine.observer = metrics
-    ctx = ServingContext(engine, model_name,
+    names = server.served_model_names or (model_name,)
+    load = ServerLoad()
+    ctx = ServingContext(engine, model_name, served_model_names=names,
+                         on_request=_request_hook(metrics, server.log_requests),
                          force_include_usage=server.enable_force_include_usage)
     created = now_s()
     limit = server.max_request_body_bytes
@@ -56,10 +75,17 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     docs: dict[str, Any] = {}
     if server.disable_fastapi_docs:
         docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="forerun", version=forerun.__version__, lifespan=lifespan, **docs)
+    app = FastAPI(title="forerun", version=forerun.__version__, lifespan=lifespan,
+                  root_path=server.root_path, **docs)
     install_error_handlers(app)
+    # The last added runs first: request ids are put on every reply, refusals included;
+    # load counts only requests that EdgeGuard let through.
+    if server.enable_server_load_tracking:
+        app.add_middleware(LoadTracker, paths=_LOAD_TRACKED, load=load)
     # API key and declared size are checked by EdgeGuard before any body is read.
     app.add_middleware(EdgeGuard, api_key=server.api_key, max_body_bytes=limit)
+    if server.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaders)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -79,13 +105,57 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; nothing to log
 
-    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    @app.post("/invocations", openapi_extra=_json_body(ChatCompletionRequest))
+    async def invocations(request: Request) -> Response:
+        """SageMaker's single route: chat when the body has messages, else completions."""
+        try:
+            raw = await read_body(request, limit)
+            kind = _invocation_kind(raw)
+            if kind is ChatCompletionRequest:
+                chat = await off_loop_if_big(len(raw), parse_body, ChatCompletionRequest, raw)
+                return await create_chat_completion(ctx, chat, request, len(raw))
+            body = await off_loop_if_big(len(raw), parse_body, CompletionRequest, raw)
+            return await create_completion(ctx, body, request, len(raw))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest))
+    async def tokenize_route(request: Request) -> Response:
+        try:
+            raw = await read_body(request, limit)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        body = await off_loop_if_big(len(raw), parse_tokenize, raw)
+        return JSONResponse(await off_loop_if_big(len(raw), tokenize, ctx, body))
+
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> Response:
+        try:
+            raw = await read_body(request, limit)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        body = await off_loop_if_big(len(raw), parse_body, DetokenizeRequest, raw)
+        return JSONResponse(await off_loop_if_big(len(raw), detokenize, ctx, body))
+
+    if server.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_route() -> Response:
+            return JSONResponse(tokenizer_info(ctx))
+
+    @app.get("/load")
+    async def server_load() -> Response:
+        # Without --enable-server-load-tracking nothing counts, and this stays 0 (vLLM).
+        return JSONResponse({"server_load": load.in_flight})
+
+    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest,
+                            TokenizeCompletionRequest, DetokenizeRequest])
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(model_name, created, engine.max_model_len,
-                         root=str(engine.model_info.source.name))
-        return Response(encode(ModelList([card])), media_type="application/json")
+        # One card per served name, each rooted at the same model (as vLLM lists them).
+        root = str(engine.model_info.source.name)
+        cards = [ModelCard(name, created, engine.max_model_len, root=root) for name in names]
+        return Response(encode(ModelList(cards)), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
@@ -111,6 +181,44 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+# Generation routes: what --enable-server-load-tracking counts.
+_LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+
+
+def _invocation_kind(raw: bytes) -> type[BaseModel]:
+    """Which request an /invocations body is: chat with ``messages``, completion with
+    ``prompt``; anything else is a 400, as in vLLM."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise APIError.bad_request("the body is not valid JSON") from None
+    if isinstance(data, dict):
+        if "messages" in data:
+            return ChatCompletionRequest
+        if "prompt" in data:
+            return CompletionRequest
+    raise APIError.bad_request(
+        "Cannot find suitable handler for request. Expected one of: a chat completion "
+        "request (with 'messages'), a completion request (with 'prompt')")
+
+
+def _request_hook(metrics: ServerMetrics, log_requests: bool
+                  ) -> Callable[[str, ProcessedPrompt, SamplingParams], None]:
+    """Called for each request queued: its parameters to the metrics, one log line."""
+
+    def on_request(request_id: str, processed: ProcessedPrompt,
+                   params: SamplingParams) -> None:
+        metrics.on_request(params)
+        if log_requests:
+            # Sizes and the main knobs only: cheap, and no prompt text in the logs.
+            request_log.info(
+                "Received request %s: prompt_tokens=%d n=%d max_tokens=%s temperature=%s "
+                "top_p=%s seed=%s", request_id, len(processed.prompt_token_ids), params.n,
+                params.max_tokens, params.temperature, params.top_p, params.seed)
+
+    return on_request
 
 
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from forerun import envs
+from forerun.config import EngineConfig
 from forerun.engine.async_llm import AsyncLLM
 from forerun.engine.core_client import EngineDeadError, EngineStartupError
 from forerun.engine_args import add_engine_args, config_from_args
@@ -35,8 +36,24 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
                         f"${envs.API_KEY}, which unlike a flag does not show in ps)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients send (default: the model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients may send as 'model'; the first is the one responses "
+                        "report (default: the model's name)")
+    p.add_argument("--uds", default=None,
+                   help="serve on this unix domain socket; --host and --port are ignored")
+    p.add_argument("--root-path", default="",
+                   help="path prefix a reverse proxy strips (FastAPI's root_path)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="echo X-Request-Id on responses (a new one when the request has "
+                        "none)")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count requests in flight on the generation routes, for GET /load")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (publishes the tokenizer's config)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no INFO line per request (they are logged by default)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one INFO line per request (the default; for vLLM's flag)")
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    default=True, help="run the engine core in a thread of the API process")
     p.add_argument("--log-level", default="info",
@@ -78,6 +95,13 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         disable_fastapi_docs=args.disable_fastapi_docs,
         enable_force_include_usage=args.enable_force_include_usage,
+        served_model_names=tuple(args.served_model_name or ()),
+        root_path=args.root_path,
+        uds=args.uds,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        log_requests=not args.disable_log_requests,
     )
 
 
@@ -116,6 +140,14 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def cache_info(config: EngineConfig) -> dict[str, str]:
+    """The KV cache's settings, as vLLM's ``cache_config_info`` labels (strings)."""
+    return {"block_size": str(config.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "kv_cache_memory_bytes": str(config.kv_cache_memory_bytes),
+            "num_cpu_blocks": "None"}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -133,18 +165,23 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    model_name = args.served_model_name or engine.model_info.source.name
+    names = server_config.served_model_names or (engine.model_info.source.name,)
+    model_name = names[0]
     try:
-        metrics = ServerMetrics(model_name)
+        metrics = ServerMetrics(model_name, engine.max_model_len,
+                                config.max_num_batched_tokens, cache_info(config))
         engine.observer = metrics
         app = build_app(engine, model_name, server_config, metrics)
         server = _Server(uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level,
+            app, host=args.host, port=args.port, uds=server_config.uds,
+            log_level=args.log_level,
             timeout_graceful_shutdown=int(math.ceil(server_config.shutdown_timeout_s)),
             access_log=args.log_level == "debug"))
         server.engine = engine
         engine.on_dead = server.on_engine_dead
-        logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
+        where = (f"unix:{server_config.uds}" if server_config.uds
+                 else f"http://{args.host}:{args.port}")
+        logger.info("serving %s on %s%s", ", ".join(names), where, server_config.root_path)
         try:
             asyncio.run(server.serve())
         except KeyboardInterrupt:

@@ -28,6 +28,20 @@ class ServerConfig:
     # vLLM's --enable-force-include-usage: streams end with a usage chunk even when the
     # request did not ask for one with stream_options.include_usage.
     enable_force_include_usage: bool = False
+    # Every name clients may send as ``model``; the first is the one responses report.
+    served_model_names: tuple[str, ...] = ()
+    # The path prefix a reverse proxy strips before forwarding (FastAPI's root_path).
+    root_path: str = ""
+    # Serve on this unix domain socket instead of host:port.
+    uds: str | None = None
+    # Echo X-Request-Id on every response (a fresh one when the request has none).
+    enable_request_id_headers: bool = False
+    # Count requests in flight on the generation routes, for GET /load.
+    enable_server_load_tracking: bool = False
+    # Serve GET /tokenizer_info (it publishes the tokenizer's configuration).
+    enable_tokenizer_info_endpoint: bool = False
+    # One INFO line per admitted request.
+    log_requests: bool = True
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -40,3 +54,9 @@ class ServerConfig:
             raise ValueError("engine_heartbeat_timeout_s must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be non-negative")
+        if any(not name for name in self.served_model_names):
+            raise ValueError("served_model_names: a name must not be empty")
+        if self.root_path and (not self.root_path.startswith("/")
+                               or self.root_path.endswith("/")):
+            raise ValueError("root_path must start with '/' and not end with one, got "
+                             f"{self.root_path!r}")

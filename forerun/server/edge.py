@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -49,7 +50,7 @@ class EdgeGuard:
             return
         headers = dict(scope.get("headers") or [])
         error = None
-        if self.api_key is not None and scope.get("path", "").startswith("/v1"):
+        if self.api_key is not None and route_path(scope).startswith("/v1"):
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                     token.strip().encode("latin-1"), self.api_key.encode()):
@@ -70,6 +71,72 @@ class EdgeGuard:
         # The body was not read: close the connection rather than drain it.
         response.headers["connection"] = "close"
         await response(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: with ``--root-path`` a request may carry the prefix."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+class RequestIdHeaders:
+    """ASGI middleware: every response carries ``X-Request-Id``, the client's or a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = b""
+        for name, value in scope.get("headers") or []:
+            if name == b"x-request-id":
+                rid = value
+                break
+        if not rid:
+            rid = uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class ServerLoad:
+    """Requests in flight on the tracked routes; read by ``GET /load``."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+
+class LoadTracker:
+    """ASGI middleware: counts requests on ``paths`` in flight into ``load``.
+
+    A streamed response counts until its last byte is sent, as in vLLM.
+    """
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str], load: ServerLoad) -> None:
+        self.app = app
+        self.paths = paths
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= 1
 
 
 async def read_body(request: Request, limit: int) -> bytes:

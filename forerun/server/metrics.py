@@ -1,13 +1,25 @@
-"""Prometheus metrics with vLLM's names under the ``forerun:`` prefix.
+"""Prometheus metrics under vLLM's names, exported as both ``vllm:*`` and ``forerun:*``.
 
-Request latencies are observed in the API process as outputs are dispatched; engine-side
-numbers (running/waiting, KV usage, prefix cache, preemptions) are the core's own counters,
+Every family is defined once, unprefixed, and written out under each prefix with the same
+samples: dashboards and alerts built for vLLM read ``vllm:*`` unmodified, and those built
+for forerun's earlier ``forerun:*`` names keep working. The cost is a scrape twice the size
+(a few KB), which is why there is no flag: nothing is gained by choosing.
+
+Labels are vLLM's: ``model_name`` (the first served name) and ``engine`` (the engine's
+index, always ``"0"`` here); ``request_success`` adds ``finished_reason``, which is
+``abort`` for requests aborted before they finished (client gone, timeout, shutdown).
+
+Request-level numbers are observed in the API process as outputs are dispatched, one
+sequence at a time (each choice of an ``n > 1`` request on its own, as vLLM's children);
+``request_params_n`` is observed once per request when it is admitted. Engine-side numbers
+(running/waiting, KV usage, prefix cache, preemptions) are the core's own counters,
 refreshed from its ``stats()`` on every scrape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,32 +27,69 @@ from prometheus_client.registry import Collector
 
 from forerun.core.stats import EngineStats
 from forerun.outputs import RequestOutput
+from forerun.sampling_params import SamplingParams
 
-_P = "forerun:"
+PREFIXES = ("vllm:", "forerun:")
+LABELS = ["model_name", "engine"]
+ENGINE_INDEX = "0"
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# Whole-request phases last seconds to minutes (vLLM's request latency buckets).
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > limit:
+                return out
+            out.append(float(value))
+        exponent += 1
+
+
+def powers_of_two(limit: int) -> list[float]:
+    """1, 2, 4, ... below ``limit``, then ``limit`` itself (a step's token budget)."""
+    out, value = [], 1
+    while value < limit:
+        out.append(float(value))
+        value *= 2
+    out.append(float(max(1, limit)))
+    return out
 
 
 class _EngineStatsCollector(Collector):
-    """Exposes the latest engine-core stats snapshot as gauges and counters."""
+    """The latest engine-core stats snapshot as gauges and counters (unprefixed)."""
 
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self, model_name: str, cache_info: Mapping[str, str]) -> None:
+        self.labels = [model_name, ENGINE_INDEX]
+        self.cache_info = dict(cache_info)
         # None until the first scrape has fetched a snapshot.
         self.stats: EngineStats | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # nothing to check for clashes: collect() is empty until the first scrape
 
     def collect(self) -> Iterator[Metric]:
         if self.stats is None:
             return
-        sched, kv, labels = self.stats.scheduler, self.stats.kv_cache, [self.model_name]
+        sched, kv, labels = self.stats.scheduler, self.stats.kv_cache, self.labels
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(_P + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
             g.add_metric(labels, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(_P + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(labels, value)
             return c
 
@@ -58,60 +107,173 @@ class _EngineStatsCollector(Collector):
                       sched.num_preemptions)
         yield counter("wasted_tokens", "Tokens computed and then thrown away.",
                       sched.wasted_tokens)
+        # vLLM's info gauge: constant 1, the KV cache's configuration in its labels.
+        info = {**self.cache_info, "num_gpu_blocks": str(kv.num_blocks)}
+        names = sorted(info)
+        g = GaugeMetricFamily("cache_config_info", "Information of the KV cache's config.",
+                              labels=names)
+        g.add_metric([info[k] for k in names], 1.0)
+        yield g
+
+
+class _Prefixed(Collector):
+    """Every family of ``inner``, once under each prefix, with the same samples."""
+
+    def __init__(self, inner: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
+        self.inner = inner
+        self.prefixes = prefixes
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.inner.collect())
+        for prefix in self.prefixes:
+            for fam in families:
+                m = Metric(prefix + fam.name, fam.documentation, fam.type, fam.unit)
+                m.samples = [s._replace(name=prefix + s.name) for s in fam.samples]
+                yield m
 
 
 class ServerMetrics:
-    """Owns a private registry; implements AsyncLLM's OutputObserver protocol."""
+    """Owns private registries; implements AsyncLLM's OutputObserver protocol."""
 
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        label = ["model_name"]
+    def __init__(self, model_name: str, max_model_len: int = 2048,
+                 max_num_batched_tokens: int = 2048,
+                 cache_info: Mapping[str, str] | None = None,
+                 prefixes: tuple[str, ...] = PREFIXES) -> None:
         self.model_name = model_name
-        r = self.registry
+        self.inner = CollectorRegistry(auto_describe=False)
+        r = self.inner
 
-        def hist(name: str, doc: str) -> Histogram:
-            return Histogram(_P + name, doc, label, registry=r, buckets=_LATENCY_BUCKETS)
+        def hist(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, doc, LABELS, registry=r, buckets=tuple(buckets))
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
-        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduling.")
-        self.prompt_tokens = Counter(_P + "prompt_tokens", "Prefilled prompt tokens.", label,
+        tokens = buckets_1_2_5(max_model_len)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.",
+                         _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.",
+                        _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduling.",
+                          _LATENCY_BUCKETS)
+        self.inference = hist("request_inference_time_seconds",
+                              "First scheduling to last token (running phase).",
+                              _REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds",
+                            "First scheduling to first token (prefill phase).",
+                            _REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds",
+                           "First token to last token (decode phase).", _REQUEST_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Decode time over output tokens after the first, per request.",
+                         _TPOT_BUCKETS)
+        self.request_prompt_tokens = hist("request_prompt_tokens",
+                                          "Prompt tokens of each finished request.", tokens)
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Generated tokens of each finished request.", tokens)
+        self.params_n = hist("request_params_n", "The n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens",
+                                      "The max_tokens request parameter (as resolved).",
+                                      tokens)
+        self.iteration_tokens = hist("iteration_tokens_total",
+                                     "Prompt plus generated tokens per engine step.",
+                                     powers_of_two(max_num_batched_tokens))
+        self.prompt_tokens = Counter("prompt_tokens", "Prefilled prompt tokens.", LABELS,
                                      registry=r)
-        self.generation_tokens = Counter(_P + "generation_tokens", "Generated tokens.", label,
+        self.generation_tokens = Counter("generation_tokens", "Generated tokens.", LABELS,
                                          registry=r)
-        self.request_success = Counter(_P + "request_success", "Finished requests.",
-                                       label + ["finished_reason"], registry=r)
-        self.engine = _EngineStatsCollector(model_name)
+        self.request_success = Counter("request_success", "Finished requests.",
+                                       LABELS + ["finished_reason"], registry=r)
+        self.engine = _EngineStatsCollector(model_name, cache_info or {})
         r.register(self.engine)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Prefixed(self.inner, prefixes))
+        self._labels = (model_name, ENGINE_INDEX)
         self._last_token_time: dict[str, float] = {}
+        # Tokens of the engine step being dispatched; outputs of one step arrive in one
+        # synchronous burst, so the step ends when the event loop next runs anything else,
+        # or earlier if a request shows up twice (two steps read in one burst).
+        self._step_tokens = 0
+        self._step_ids: set[str] = set()
+        self._flush_scheduled = False
+
+    def on_request(self, params: SamplingParams) -> None:
+        """A request admitted: its ``n`` once, its ``max_tokens`` once per sequence."""
+        lab = self._labels
+        self.params_n.labels(*lab).observe(params.n)
+        if params.max_tokens is not None:
+            hist = self.params_max_tokens.labels(*lab)
+            for _ in range(params.n):
+                hist.observe(params.max_tokens)
 
     def on_output(self, out: RequestOutput) -> None:
-        m, name = out.metrics, self.model_name
+        m, lab = out.metrics, self._labels
         n_new = len(out.new_token_ids)
+        step_tokens = n_new
         if m is not None and n_new and m.last_token_time is not None:
             prev = self._last_token_time.get(out.request_id)
             if prev is None:
                 if m.first_token_time is not None:
-                    self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+                    self.ttft.labels(*lab).observe(m.first_token_time - m.arrival_time)
                 if m.first_scheduled_time is not None:
-                    self.queue.labels(name).observe(
+                    self.queue.labels(*lab).observe(
                         max(0.0, m.first_scheduled_time - m.arrival_time))
-                self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+                self.prompt_tokens.labels(*lab).inc(len(out.prompt_token_ids))
+                step_tokens += len(out.prompt_token_ids)
             else:
-                self.itl.labels(name).observe(m.last_token_time - prev)
+                self.itl.labels(*lab).observe(m.last_token_time - prev)
             self._last_token_time[out.request_id] = m.last_token_time
         if n_new:
-            self.generation_tokens.labels(name).inc(n_new)
+            self.generation_tokens.labels(*lab).inc(n_new)
+        self._count_step(out.request_id, step_tokens)
         if out.finished:
             self._last_token_time.pop(out.request_id, None)
-            if m is not None and m.finished_time is not None:
-                self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
-            reason = out.outputs[0].finish_reason or "unknown"
-            self.request_success.labels(name, reason).inc()
+            self._observe_finished(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        lab, m = self._labels, out.metrics
+        reason = out.outputs[0].finish_reason or "unknown"
+        self.request_success.labels(*lab, reason).inc()
+        n_gen = len(out.outputs[0].token_ids)
+        self.request_prompt_tokens.labels(*lab).observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.labels(*lab).observe(n_gen)
+        if m is None:
+            return
+        if m.finished_time is not None:
+            self.e2e.labels(*lab).observe(m.finished_time - m.arrival_time)
+        start, first, last = m.first_scheduled_time, m.first_token_time, m.last_token_time
+        if start is not None and first is not None and last is not None:
+            self.prefill.labels(*lab).observe(max(0.0, first - start))
+            self.decode.labels(*lab).observe(max(0.0, last - first))
+            self.inference.labels(*lab).observe(max(0.0, last - start))
+            if n_gen > 1:
+                self.tpot.labels(*lab).observe(max(0.0, last - first) / (n_gen - 1))
+
+    def _count_step(self, request_id: str, tokens: int) -> None:
+        if request_id in self._step_ids:
+            self._flush_step()
+        self._step_ids.add(request_id)
+        self._step_tokens += tokens
+        if self._flush_scheduled:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self._flush_step)
+            self._flush_scheduled = True
+        except RuntimeError:  # no event loop (direct use): every output is its own step
+            self._flush_step()
+
+    def _flush_step(self) -> None:
+        self._flush_scheduled = False
+        if self._step_tokens:
+            self.iteration_tokens.labels(*self._labels).observe(self._step_tokens)
+        self._step_tokens = 0
+        self._step_ids.clear()
 
     def on_abort(self, request_id: str) -> None:
+        """An aborted sequence: counted as finished with reason ``abort``, as in vLLM."""
         self._last_token_time.pop(request_id, None)
+        self.request_success.labels(*self._labels, "abort").inc()
 
     def update_engine_stats(self, stats: EngineStats) -> None:
         self.engine.stats = stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,10 @@ class ServingContext:
 
     engine: AsyncLLM
     model_name: str
+    # Every name a request may send as ``model`` (--served-model-name); model_name is first.
+    served_model_names: tuple[str, ...] = ()
+    # Called for each request queued (the server's metrics and request log).
+    on_request: Callable[[str, ProcessedPrompt, SamplingParams], None] | None = None
     # --enable-force-include-usage: every stream ends with a usage chunk, asked or not.
     force_include_usage: bool = False
 
@@ -37,7 +41,7 @@ def now_s() -> int:
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
+    if model is not None and model != ctx.model_name and model not in ctx.served_model_names:
         raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError",
                        param="model", code="model_not_found")
 
@@ -97,6 +101,8 @@ async def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
         for i, (processed, params) in enumerate(plans):
             rid = base_id if len(plans) == 1 else f"{base_id}-{i}"
             streams.append(engine.add_processed_request(rid, processed, params))
+            if ctx.on_request is not None:
+                ctx.on_request(rid, processed, params)
     except ValueError as exc:
         for s in streams:
             s.abort()
