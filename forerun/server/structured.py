@@ -2,14 +2,17 @@
 
 Accepted: OpenAI's ``response_format`` (``json_schema``, ``json_object``, ``text``),
 vLLM's ``structured_outputs`` object, and vLLM's older ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar``. At most one may ask for a constraint.
+``guided_choice`` / ``guided_grammar``. At most one may ask for a constraint. A
+``structured_outputs`` object that holds only options (``disable_any_whitespace``) applies
+them to the constraint another field asks for, as in vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from forerun.structured.params import StructuredOutputsParams
+from forerun.structured.params import KINDS, OPTIONS, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -38,9 +41,14 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
 def structured_outputs_of(fields: dict[str, Any]) -> StructuredOutputsParams | None:
     """The one constraint the body asks for, or None; ValueError names the bad field."""
     found: list[tuple[str, StructuredOutputsParams]] = []
-    if fields.get("structured_outputs") is not None:
-        found.append(("structured_outputs",
-                      StructuredOutputsParams.from_any(fields["structured_outputs"])))
+    so = fields.get("structured_outputs")
+    options: dict[str, Any] = {}
+    if isinstance(so, dict) and so and not any(k in so for k in KINDS) and all(
+            k in OPTIONS for k in so) and _asks_elsewhere(fields):
+        # Options only, for the constraint response_format or a guided_* field asks for.
+        options = so
+    elif so is not None:
+        found.append(("structured_outputs", StructuredOutputsParams.from_any(so)))
     for name, kind in _GUIDED.items():
         if fields.get(name) is not None:
             try:
@@ -54,4 +62,12 @@ def structured_outputs_of(fields: dict[str, Any]) -> StructuredOutputsParams | N
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise ValueError(f"structured_outputs: give only one structured output field, got {names}")
-    return found[0][1] if found else None
+    if not found:
+        return None
+    return dataclasses.replace(found[0][1], **options) if options else found[0][1]
+
+
+def _asks_elsewhere(fields: dict[str, Any]) -> bool:
+    rf = fields.get("response_format")
+    return any(fields.get(n) is not None for n in _GUIDED) or (
+        isinstance(rf, dict) and rf.get("type") not in (None, "text"))

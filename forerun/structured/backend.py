@@ -56,6 +56,16 @@ def choice_to_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
 
 
+def json_whitespace_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    """xgrammar's whitespace options for a ``json`` or ``json_object`` constraint.
+
+    Compact unless the request asked for any whitespace (``disable_any_whitespace=False``):
+    one line, with the single space after ``,`` and ``:`` that most training text has,
+    so the model is not pushed off its usual tokens.
+    """
+    return {"any_whitespace": params.any_whitespace}
+
+
 def _schema_dict(params: StructuredOutputsParams) -> dict[str, Any]:
     raw = params.json
     if isinstance(raw, str):
@@ -86,7 +96,7 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
             except jsonschema.SchemaError as e:
                 raise ValueError(
                     f"structured_outputs.json: invalid JSON schema: {e.message}") from None
-            xgr.Grammar.from_json_schema(json.dumps(schema))
+            xgr.Grammar.from_json_schema(json.dumps(schema), **json_whitespace_options(params))
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "choice":
@@ -166,10 +176,12 @@ class XgrammarBackend:
     def _compile_unchecked(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         compiler = self._get_compiler()
         kind = params.kind
-        if kind == "json":
-            return compiler.compile_json_schema(json.dumps(_schema_dict(params)))
-        if kind == "json_object":
-            return compiler.compile_json_schema(_JSON_OBJECT_SCHEMA)
+        if kind in ("json", "json_object"):
+            schema = (json.dumps(_schema_dict(params)) if kind == "json"
+                      else _JSON_OBJECT_SCHEMA)
+            # xgrammar's compile cache keys on these options too, so a schema compiled both
+            # ways is two cache entries, never one served for the other.
+            return compiler.compile_json_schema(schema, **json_whitespace_options(params))
         if kind == "regex":
             return compiler.compile_regex(params.regex or "")
         if kind == "choice":

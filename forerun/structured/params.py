@@ -6,7 +6,10 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# The fields that choose the constraint; exactly one is set.
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Fields that tune how a constraint is compiled rather than choosing one.
+OPTIONS = ("disable_any_whitespace",)
 
 
 @dataclass(slots=True)
@@ -17,6 +20,13 @@ class StructuredOutputsParams:
     ``json`` may be a schema as a dict or as a JSON string. Only the shape is checked here;
     whether the schema, regex or grammar itself is valid is checked by
     :func:`forerun.structured.backend.validate_structured_outputs` in the frontend.
+
+    ``disable_any_whitespace`` is vLLM's name with vLLM's meaning when set: ``True`` allows
+    no whitespace in JSON but the one space after ``,`` and ``:``, ``False`` allows any
+    whitespace JSON allows. Unset (``None``), forerun compiles ``json`` and ``json_object``
+    like ``True``: with any whitespace a small model's greedy decoding can run away in
+    newlines the grammar allows until ``max_tokens`` cuts the JSON (vLLM's default is
+    ``False``). It has no effect on regex, choice and grammar constraints.
     """
 
     json: str | dict[str, Any] | None = None
@@ -24,9 +34,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
-        chosen = [k for k in _KINDS if self._is_set(k)]
+        chosen = [k for k in KINDS if self._is_set(k)]
         if len(chosen) != 1:
             got = ", ".join(chosen) if chosen else "none"
             raise ValueError(
@@ -47,16 +58,27 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice: must be non-empty strings, "
                                  "at least one")
             self.choice = list(self.choice)
+        if self.disable_any_whitespace is not None and not isinstance(
+                self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace: must be a boolean, got "
+                             f"{type(self.disable_any_whitespace).__name__}")
+
+    @property
+    def any_whitespace(self) -> bool:
+        """Whether a JSON constraint compiles to a grammar that allows any whitespace."""
+        return self.disable_any_whitespace is False
 
     def _is_set(self, name: str) -> bool:
         value = getattr(self, name)
+        if name in OPTIONS:
+            return value is not None
         # json_object=False means "not this kind", like vLLM.
         return bool(value) if name == "json_object" else value is not None
 
     @property
     def kind(self) -> str:
         """The field that is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
-        return next(k for k in _KINDS if self._is_set(k))
+        return next(k for k in KINDS if self._is_set(k))
 
     def json_schema_str(self) -> str:
         """The schema as a JSON string (``json`` kind only)."""
@@ -73,7 +95,7 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(_KINDS))
+            unknown = sorted(set(value) - set(KINDS) - set(OPTIONS))
             if unknown:
                 raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}")
             return cls(**value)
