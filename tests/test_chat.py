@@ -128,7 +128,7 @@ def test_missing_chat_template(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) 
         ("hello", "messages"),
         ([QUESTION[0], "hi"], "messages[1]"),
         ([{"content": "x"}], "messages[0].role"),
-        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": 7, "content": "x"}], "messages[0].role"),
         ([QUESTION[0], {"role": "user"}], "messages[1].content"),
         ([QUESTION[0], {"role": "user", "content": 5}], "messages[1].content"),
         (

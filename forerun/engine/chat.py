@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ from gguf import GGUFReader
 
 logger = logging.getLogger(__name__)
 
+# OpenAI's roles; any other non-empty role is passed to the template too, as vLLM does
+# (templates such as Granite's know roles like "document").
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 _GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
@@ -31,9 +34,12 @@ def _validate_message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ValueError(f"{where}: must be an object, got {type(message).__name__}")
     role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise ValueError(f"{where}.role: must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"{where}.role: must be a non-empty string such as one of "
+                         f"{sorted(CHAT_ROLES)}, got {role!r}")
     out = dict(message)
+    if role == "assistant" and isinstance(message.get("tool_calls"), list):
+        out["tool_calls"] = [_template_tool_call(c) for c in message["tool_calls"]]
     content = message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         # OpenAI allows a null content next to tool calls; templates concatenate it.
@@ -50,6 +56,23 @@ def _validate_message(index: int, message: Any) -> dict[str, Any]:
             f"got {type(content).__name__}"
         )
     return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    """OpenAI sends a call's arguments as JSON text; templates (Qwen's, Hermes') expect the
+    object, so text that parses as one is handed over parsed, as vLLM does."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    args = call["function"].get("arguments")
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**call["function"], "arguments": parsed}}
 
 
 def _text_of_part(where: str, part: Any) -> str:

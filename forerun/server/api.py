@@ -43,6 +43,7 @@ from forerun.server.tokenize import (
     tokenize,
     tokenizer_info,
 )
+from forerun.server.tool_calls import ToolCallConfig
 
 logger = logging.getLogger(__name__)
 # Its own logger, so request lines can be filtered or silenced apart from the rest.
@@ -62,7 +63,10 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     load = ServerLoad()
     ctx = ServingContext(engine, model_name, served_model_names=names,
                          on_request=_request_hook(metrics, server.log_requests),
-                         force_include_usage=server.enable_force_include_usage)
+                         force_include_usage=server.enable_force_include_usage,
+                         tool_config=ToolCallConfig(server.enable_auto_tool_choice,
+                                                    server.tool_call_parser),
+                         chat_template=server.chat_template)
     created = now_s()
     limit = server.max_request_body_bytes
 

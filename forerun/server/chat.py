@@ -14,6 +14,7 @@ from forerun.engine.chat import apply_chat_template
 from forerun.engine.core_client import EngineDeadError
 from forerun.outputs import RequestOutput
 from forerun.server.chat_extras import StreamTokenIds, add_prompt_extras
+from forerun.server.chat_template_args import echo_text, response_role, template_kwargs
 from forerun.server.edge import off_loop_if_big, unless_disconnected
 from forerun.server.errors import APIError, engine_dead_error, timeout_error
 from forerun.server.logprobs import chat_logprobs
@@ -27,7 +28,6 @@ from forerun.server.responses import (
     ChatCompletionChunk,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ErrorBody,
     ErrorInfo,
     Usage,
@@ -42,14 +42,17 @@ from forerun.server.serving import (
     now_s,
     start_requests,
 )
+from forerun.server.tool_calls import ChoiceToolStream, ToolPlan, plan_tools, tool_message
 
 logger = logging.getLogger(__name__)
 
 
-def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest,
+                plan: ToolPlan) -> list[int]:
+    kwargs = template_kwargs(body, plan.tools)
     try:
         return apply_chat_template(ctx.engine.tokenizer, body.messages,
-                                   add_generation_prompt=body.add_generation_prompt)
+                                   chat_template=ctx.chat_template, **kwargs)
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
     except jinja2.TemplateError as exc:
@@ -61,25 +64,30 @@ def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest,
                                  request: Request, body_bytes: int = 0) -> Response:
     check_model(ctx, body.model)
-    ids = await off_loop_if_big(body_bytes, _prompt_ids, ctx, body)
+    plan = plan_tools(ctx.tool_config, body)
+    ids = await off_loop_if_big(body_bytes, _prompt_ids, ctx, body, plan)
+    body = plan.adjust_request(body)
     rid = new_id("chatcmpl")
     streams = await start_requests(ctx, body, rid, [{"prompt_token_ids": ids}],
                                    body.requested_max_tokens, None, body_bytes)
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, rid, streams[0]),
+        return StreamingResponse(_stream(ctx, body, rid, streams[0], plan),
                                  media_type="text/event-stream")
     try:
         (out,) = await unless_disconnected(request, final_outputs(streams))
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
     choices = []
+    role, echo = response_role(body), echo_text(body)
     for c in out.outputs:
         lps = None
         if body.logprobs and c.logprobs is not None:
             lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
                                 body.tokens_as_ids)
-        choices.append(ChatChoice(c.index, ChatMessage("assistant", c.text), lps,
-                                  finish_reason=c.finish_reason))
+        message, finish = tool_message(plan, role, c.text, c.finish_reason)
+        if echo and plan.mode == "none":
+            message.content = echo + (message.content or "")
+        choices.append(ChatChoice(c.index, message, lps, finish_reason=finish))
         if body.return_token_ids:
             choices[-1].token_ids = list(c.token_ids)
     resp = ChatCompletion(
@@ -90,7 +98,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
-                  stream: RequestStream) -> AsyncIterator[bytes]:
+                  stream: RequestStream, plan: ToolPlan) -> AsyncIterator[bytes]:
     created = now_s()
     usage_on = body.usage_wanted(ctx.force_include_usage)
     continuous = body.continuous_usage(ctx.force_include_usage)
@@ -111,9 +119,13 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
     n_prompt = 0
     out_now: RequestOutput | None = None  # the output being streamed, for chunk()
     extras = StreamTokenIds(body.return_token_ids, n)
+    tools = [ChoiceToolStream(plan) for _ in range(n)] if plan.mode != "none" else None
+    role, echo = response_role(body), echo_text(body)
     try:
         for i in range(n):
-            yield chunk(i, ChatDelta(role="assistant", content=""), None)
+            yield chunk(i, ChatDelta(role=role, content=""), None)
+            if echo and tools is None:
+                yield chunk(i, ChatDelta(content=echo), None)
         async for out in stream:
             n_prompt, out_now = len(out.prompt_token_ids), out
             for c in out.outputs:
@@ -128,7 +140,13 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
                                         body.top_logprobs or 0, body.tokens_as_ids)
                 n_gen[i] = len(c.token_ids)
                 done[i] = c.finish_reason is not None
-                yield chunk(i, ChatDelta(content=text), c.finish_reason, lps)
+                if tools is None:
+                    yield chunk(i, ChatDelta(content=text), c.finish_reason, lps)
+                    continue
+                delta = tools[i].delta(c.text, c.finish_reason is not None)
+                finish = tools[i].finish_reason(c.finish_reason)
+                if delta is not None or finish is not None or lps is not None:
+                    yield chunk(i, delta or ChatDelta(), finish, lps)
         if usage_on:
             yield sse(ChatCompletionChunk(rid, created, ctx.model_name, [],
                                           usage=Usage.of(n_prompt, sum(n_gen))))

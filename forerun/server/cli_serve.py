@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 from types import FrameType
 from typing import Any
@@ -54,6 +55,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="no INFO line per request (they are logged by default)")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log one INFO line per request (the default; for vLLM's flag)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model call tools on its own (tool_choice 'auto'); needs "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the model's text: hermes "
+                        "(<tool_call>{...}</tool_call>, Qwen2/3, Hermes)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) used "
+                        "instead of the model's own")
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    default=True, help="run the engine core in a thread of the API process")
     p.add_argument("--log-level", default="info",
@@ -102,7 +112,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         log_requests=not args.disable_log_requests,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        chat_template=_read_template(args.chat_template),
     )
+
+
+def _read_template(value: str | None) -> str | None:
+    """--chat-template is a path or the template itself, as in vLLM."""
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
 
 
 class _Server(uvicorn.Server):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from forerun.tool_parsers import ToolParserManager
+
 # A body at least this big is parsed, validated and tokenised on a worker thread, so one
 # huge request cannot stall every other HTTP call (``/health`` included) on the event loop.
 OFFLOAD_BODY_BYTES = 64 << 10
@@ -42,6 +44,11 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = False
     # One INFO line per admitted request.
     log_requests: bool = True
+    # Tool calling: tool_choice "auto" needs both (forerun/server/tool_calls.py).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # A Jinja chat template replacing the model's own (--chat-template).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -54,6 +61,12 @@ class ServerConfig:
             raise ValueError("engine_heartbeat_timeout_s must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be non-negative")
+        if self.tool_call_parser is not None \
+                and self.tool_call_parser not in ToolParserManager.tool_parsers:
+            raise ValueError(f"tool_call_parser: {self.tool_call_parser!r} is not one of "
+                             f"{sorted(ToolParserManager.tool_parsers)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         if any(not name for name in self.served_model_names):
             raise ValueError("served_model_names: a name must not be empty")
         if self.root_path and (not self.root_path.startswith("/")

@@ -20,11 +20,8 @@ logger = logging.getLogger(__name__)
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
     # vLLM's sampling extras.
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -51,11 +48,7 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (None, False),
-    "echo": (None, False),
-    "continue_final_message": (None, False),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "documents": (None, []),
     "reasoning_effort": (None,),
 }
 
@@ -309,6 +302,15 @@ class ChatCompletionRequest(_BaseRequest):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (forerun/server/tool_calls.py).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    # vLLM's chat-template extras (forerun/server/chat.py passes them to the template).
+    echo: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
     _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _CHAT_UNSUPPORTED
 

@@ -62,9 +62,22 @@ class Completion(msgspec.Struct):
     usage: Usage | None | msgspec.UnsetType = UNSET
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    # Always present, empty without calls, as vLLM sends it.
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -104,9 +117,24 @@ class ChatCompletion(msgspec.Struct):
     prompt_token_ids: list[int] | msgspec.UnsetType = UNSET
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | msgspec.UnsetType = UNSET
+    arguments: str | msgspec.UnsetType = UNSET
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A streamed call's piece: id, type and name come once, then argument fragments."""
+
+    index: int
+    id: str | msgspec.UnsetType = UNSET
+    type: str | msgspec.UnsetType = UNSET
+    function: DeltaFunctionCall | msgspec.UnsetType = UNSET
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | msgspec.UnsetType = UNSET
     content: str | msgspec.UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | msgspec.UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):

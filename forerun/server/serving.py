@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from forerun.engine.async_llm import AsyncLLM, RequestStream
@@ -16,6 +16,7 @@ from forerun.sampling_params import SamplingParams
 from forerun.server.edge import off_loop_if_big
 from forerun.server.errors import APIError
 from forerun.server.protocol import _BaseRequest
+from forerun.server.tool_calls import ToolCallConfig
 
 
 @dataclass(slots=True)
@@ -30,6 +31,9 @@ class ServingContext:
     on_request: Callable[[str, ProcessedPrompt, SamplingParams], None] | None = None
     # --enable-force-include-usage: every stream ends with a usage chunk, asked or not.
     force_include_usage: bool = False
+    # --enable-auto-tool-choice / --tool-call-parser, and --chat-template.
+    tool_config: ToolCallConfig = field(default_factory=ToolCallConfig)
+    chat_template: str | None = None
 
 
 def new_id(prefix: str) -> str:
