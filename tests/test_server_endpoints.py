@@ -284,6 +284,10 @@ def test_metrics_have_vllm_and_forerun_names_alike(http: httpx.Client) -> None:
     assert types["vllm:cache_config_info"] == "gauge"
     running = [lab for (n, lab) in samples if n == "vllm:num_requests_running"]
     assert running == [(("engine", "0"), ("model_name", NAMES[0]))]
+    # Every finish reason has a series from the start (no request here ended in error).
+    reasons = {dict(lab)["finished_reason"] for (n, lab) in samples
+               if n == "vllm:request_success_total"}
+    assert reasons == {"stop", "length", "abort", "error"}
     (info,) = [dict(lab) for (n, lab) in samples if n == "vllm:cache_config_info"]
     assert info["block_size"] == "16"
     assert int(info["num_gpu_blocks"]) > 0

@@ -41,6 +41,8 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+# request_success's finished_reason values present (at zero) before any request finishes.
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -185,6 +187,15 @@ class ServerMetrics:
                                          registry=r)
         self.request_success = Counter("request_success", "Finished requests.",
                                        LABELS + ["finished_reason"], registry=r)
+        # Every series exists from the start, at zero, as in vLLM: rate() and alerts see a
+        # 0 rather than no data before the first request.
+        for metric in (self.ttft, self.itl, self.e2e, self.queue, self.inference,
+                       self.prefill, self.decode, self.tpot, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.params_n, self.params_max_tokens,
+                       self.iteration_tokens, self.prompt_tokens, self.generation_tokens):
+            metric.labels(model_name, ENGINE_INDEX)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, ENGINE_INDEX, reason)
         self.engine = _EngineStatsCollector(model_name, cache_info or {})
         r.register(self.engine)
         self.registry = CollectorRegistry(auto_describe=False)
