@@ -152,6 +152,11 @@ def test_api_key_guards_v1_under_the_root_path_only(http: httpx.Client) -> None:
     assert http.get("/v1/models").status_code == 401
     assert http.get("/v1/models", headers=AUTH).status_code == 200
     assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+    # Behind a proxy that strips the prefix the same routes answer, guarded the same.
+    with httpx.Client(transport=httpx.HTTPTransport(uds=SOCK), base_url="http://forerun",
+                      timeout=60) as stripped:
+        assert stripped.get("/v1/models").status_code == 401
+        assert stripped.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == NAMES[0]
 
 
 def test_request_id_header_is_echoed_or_made(http: httpx.Client) -> None:
