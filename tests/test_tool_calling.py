@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -18,6 +19,13 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from forerun.server.tool_calls import (
+    ChoiceToolStream,
+    ToolCallConfig,
+    ToolPlan,
+    plan_tools,
+    tool_message,
+)
 from forerun.tool_parsers import Hermes2ProToolParser, ToolParser
 from tests.conftest import SMOLLM2_GGUF, smollm2_dir
 from tests.server_harness import MODEL, ServerHandle, start_server
@@ -117,6 +125,53 @@ def test_hermes_stream_holds_back_a_partial_tag_until_it_is_decided() -> None:
                                           finished=True).content == "<tool_cat"
 
 
+def plan_for(tool_choice: Any, parallel: bool = True) -> ToolPlan:
+    body = SimpleNamespace(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel)
+    return plan_tools(ToolCallConfig(True, "hermes"), body)
+
+
+REQUIRED_OUT = ('[{"name": "add", "parameters": {"a": 1, "b": 2}}, '
+                '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}]')
+
+
+def test_required_schema_takes_calls_to_the_tools_and_nothing_else() -> None:
+    schema = plan_for("required").schema
+    jsonschema.validate(json.loads(REQUIRED_OUT), schema)
+    for bad in ([], [{"name": "add", "parameters": {"a": "1", "b": 2}}],
+                [{"name": "sub", "parameters": {"a": 1, "b": 2}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(REQUIRED_OUT), plan_for("required", False).schema)
+
+
+@pytest.mark.parametrize(("choice", "text"), [
+    ("required", REQUIRED_OUT),
+    ({"type": "function", "function": {"name": "add"}}, '{"a": 1, "b": 2}'),
+    ("auto", CRAFTED)])
+def test_forced_and_auto_streams_split_anywhere_give_the_whole_calls(choice: Any,
+                                                                    text: str) -> None:
+    plan = plan_for(choice)
+    message, finish = tool_message(plan, "assistant", text, "stop")
+    expect = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert finish == ("stop" if isinstance(choice, dict) else "tool_calls")
+    for cut in range(len(text) + 1):
+        stream, got = ChoiceToolStream(plan), {}  # type: ignore[var-annotated]
+        for piece, done in ((text[:cut], False), (text, True)):
+            delta = stream.delta(piece, done)
+            for tc in (delta.tool_calls if delta and delta.tool_calls else []):
+                if tc.id:
+                    got[tc.index] = [tc.function.name, ""]
+                got[tc.index][1] += tc.function.arguments or ""
+        assert [tuple(v) for v in got.values()] == expect, cut
+        assert stream.finish_reason("stop") == finish
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    message, _ = tool_message(plan_for("auto", parallel=False), "assistant", CRAFTED, "stop")
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+
+
 # --- through the server ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -201,18 +256,15 @@ def test_required_calls_follow_their_schemas_and_stream_the_same(
 def test_auto_parses_hermes_calls_from_the_model_text(client: openai.OpenAI) -> None:
     # A choice constraint makes the tiny model write a hermes call, so the parser runs on
     # real server output.
-    text = ('Adding. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-            '<tool_call>{"name": "add", "arguments": {"a": 4, "b": 5}}</tool_call>')
-    kwargs = {"tools": TOOLS, "tool_choice": "auto", "max_tokens": 80,
+    text = 'Adding.<tool_call>{"name":"add","arguments":{"a":2}}</tool_call>'
+    kwargs = {"tools": TOOLS, "tool_choice": "auto", "max_tokens": 40,
               "extra_body": {"structured_outputs": {"choice": [text]}}}
     r = chat(client, **kwargs)
     calls = calls_of(r.choices[0].message)
-    assert calls == [("add", '{"a": 2, "b": 3}'), ("add", '{"a": 4, "b": 5}')]
-    assert r.choices[0].message.content == "Adding. "
+    assert calls == [("add", '{"a":2}')]
+    assert r.choices[0].message.content == "Adding."
     assert r.choices[0].finish_reason == "tool_calls"
-    assert streamed(client, **kwargs) == ("Adding. ", calls, "tool_calls")
-    one = chat(client, parallel_tool_calls=False, **kwargs)
-    assert calls_of(one.choices[0].message) == calls[:1]
+    assert streamed(client, **kwargs) == ("Adding.", calls, "tool_calls")
 
 
 @slow
@@ -286,15 +338,15 @@ def test_continue_final_message_continues_it_and_echo_returns_it(
         client: openai.OpenAI, tokenizer: Any) -> None:
     partial = [*ASK, {"role": "assistant", "content": "The weather in Paris is"}]
     extra = {"continue_final_message": True, "add_generation_prompt": False}
-    got = prompt_ids(client, messages=partial, extra_body=extra)
-    assert got == hf_ids(tokenizer, partial, continue_final_message=True,
-                         add_generation_prompt=False)
-    plain = chat(client, messages=partial, max_tokens=4, extra_body=extra)
-    echoed = chat(client, messages=partial, max_tokens=4, extra_body={**extra, "echo": True})
+    plain = chat(client, messages=partial, max_tokens=3,
+                 extra_body={**extra, "return_token_ids": True})
+    assert plain.model_extra["prompt_token_ids"] == hf_ids(
+        tokenizer, partial, continue_final_message=True, add_generation_prompt=False)
+    echoed = chat(client, messages=partial, max_tokens=3, extra_body={**extra, "echo": True})
     assert echoed.choices[0].message.content == (
         "The weather in Paris is" + plain.choices[0].message.content)
     assert echoed.choices[0].message.role == "assistant"
-    content, _, _ = streamed(client, messages=partial, max_tokens=4,
+    content, _, _ = streamed(client, messages=partial, max_tokens=3,
                              extra_body={**extra, "echo": True})
     assert content == echoed.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
