@@ -19,6 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from forerun.server.protocol import ChatCompletionRequest
 from forerun.server.tool_calls import (
     ChoiceToolStream,
     ToolCallConfig,
@@ -115,6 +116,14 @@ def test_hermes_stream_of_a_malformed_call_still_ends_with_all_the_text_as_conte
     for cut in range(len(text) + 1):
         content, _ = reassemble(stream_pieces(Hermes2ProToolParser(), [text[:cut], text[cut:]]))
         assert content == text
+
+
+def test_hermes_keeps_special_tokens_only_where_its_tag_is_one() -> None:
+    body = ChatCompletionRequest(messages=ASK)
+    plain = Hermes2ProToolParser(SimpleNamespace(all_special_tokens=["<|im_end|>"]))
+    assert plain.adjust_request(body).skip_special_tokens
+    qwen = Hermes2ProToolParser(SimpleNamespace(all_special_tokens=["<tool_call>"]))
+    assert not qwen.adjust_request(body).skip_special_tokens
 
 
 def test_hermes_stream_holds_back_a_partial_tag_until_it_is_decided() -> None:
@@ -265,6 +274,11 @@ def test_auto_parses_hermes_calls_from_the_model_text(client: openai.OpenAI) -> 
     assert r.choices[0].message.content == "Adding."
     assert r.choices[0].finish_reason == "tool_calls"
     assert streamed(client, **kwargs) == ("Adding.", calls, "tool_calls")
+    # No call: the text is the content, the end-of-turn token not in it.
+    r = chat(client, tools=TOOLS, tool_choice="auto", max_tokens=8,
+             extra_body={"structured_outputs": {"choice": ["Paris."]}})
+    assert r.choices[0].message.content == "Paris." and r.choices[0].message.tool_calls == []
+    assert r.choices[0].finish_reason == "stop"
 
 
 @slow

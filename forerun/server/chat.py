@@ -64,7 +64,7 @@ def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest,
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest,
                                  request: Request, body_bytes: int = 0) -> Response:
     check_model(ctx, body.model)
-    plan = plan_tools(ctx.tool_config, body)
+    plan = plan_tools(ctx.tool_config, body, ctx.engine.tokenizer)
     ids = await off_loop_if_big(body_bytes, _prompt_ids, ctx, body, plan)
     body = plan.adjust_request(body)
     rid = new_id("chatcmpl")

@@ -148,6 +148,7 @@ class ToolPlan:
     parser_cls: type[ToolParser] | None = None
     function_name: str | None = None
     parallel: bool = True
+    tokenizer: Any = None  # handed to the parser, which may look at its special tokens
 
     def new_parser(self) -> ToolParser | None:
         if self.mode == "named":
@@ -157,7 +158,7 @@ class ToolPlan:
             return _RequiredCallsParser()
         if self.mode == "auto":
             assert self.parser_cls is not None
-            return self.parser_cls()
+            return self.parser_cls(self.tokenizer)
         return None
 
     def adjust_request(self, body: Any) -> Any:
@@ -177,7 +178,7 @@ _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "g
                       "guided_choice", "guided_grammar")
 
 
-def plan_tools(config: ToolCallConfig, body: Any) -> ToolPlan:
+def plan_tools(config: ToolCallConfig, body: Any, tokenizer: Any = None) -> ToolPlan:
     """Check ``tools`` / ``tool_choice`` / ``parallel_tool_calls``; 400s name the field."""
     tools, choice = body.tools, body.tool_choice
     functions = [_function_of(i, t) for i, t in enumerate(tools or [])]
@@ -195,7 +196,7 @@ def plan_tools(config: ToolCallConfig, body: Any) -> ToolPlan:
                 '"auto" tool choice requires --enable-auto-tool-choice and '
                 "--tool-call-parser to be set", "tool_choice")
         return ToolPlan(tools, "auto", parser_cls=ToolParserManager.get_tool_parser(
-            config.tool_call_parser), parallel=parallel)
+            config.tool_call_parser), parallel=parallel, tokenizer=tokenizer)
     forced = [f for f in _STRUCTURED_FIELDS if getattr(body, f, None) is not None]
     if forced:
         raise APIError.bad_request(

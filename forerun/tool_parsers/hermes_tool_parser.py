@@ -34,9 +34,11 @@ class Hermes2ProToolParser(ToolParser):
     """``--tool-call-parser hermes``."""
 
     def adjust_request(self, request: Any) -> Any:
-        # Where <tool_call> is a special token (Qwen), skipping special tokens would
-        # erase the very tags this parser looks for.
-        if getattr(request, "skip_special_tokens", False):
+        # Where <tool_call> is a special token, skipping special tokens would erase the
+        # very tags this parser looks for. Only there: keeping them would also keep the
+        # end-of-turn token's text in the content.
+        special = getattr(self.model_tokenizer, "all_special_tokens", None) or ()
+        if TOOL_CALL_START in special and getattr(request, "skip_special_tokens", False):
             return request.model_copy(update={"skip_special_tokens": False})
         return request
 
