@@ -223,7 +223,9 @@ def bodies(draw: st.DrawFn) -> tuple[str, str]:
     """An endpoint and a JSON body: a few random fields, each valid or not."""
     chat = draw(st.booleans())
     body: dict[str, Any] = {"messages": draw(_MESSAGES)} if chat else {"prompt": draw(_PROMPT)}
-    body["max_tokens"] = draw(_mostly(st.integers(1, 3)))
+    # Never null: a request without max_tokens may generate up to the whole context.
+    body["max_tokens"] = draw(_rarely(st.integers(1, 3), _JUNK.filter(lambda v: v is not None),
+                                      2))
     for name in draw(st.lists(st.sampled_from(sorted(_FIELDS)), max_size=4, unique=True)):
         body[name] = draw(_FIELDS[name])
     # ensure_ascii escapes lone surrogates as \\udXXX, the way they arrive over the wire;
