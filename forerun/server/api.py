@@ -91,37 +91,36 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     if server.enable_request_id_headers:
         app.add_middleware(RequestIdHeaders)
 
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, raw: bytes | None = None,
+                       chat: bool = False) -> Response:
+        """Read, parse and run one completion or chat request."""
         try:
-            raw = await read_body(request, limit)
-            body = await off_loop_if_big(len(raw), parse_body, CompletionRequest, raw)
-            return await create_completion(ctx, body, request, len(raw))
+            if raw is None:
+                raw = await read_body(request, limit)
+            if chat:
+                body = await off_loop_if_big(len(raw), parse_body, ChatCompletionRequest, raw)
+                return await create_chat_completion(ctx, body, request, len(raw))
+            cbody = await off_loop_if_big(len(raw), parse_body, CompletionRequest, raw)
+            return await create_completion(ctx, cbody, request, len(raw))
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it; nothing to log
 
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await generate(request)
+
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        try:
-            raw = await read_body(request, limit)
-            body = await off_loop_if_big(len(raw), parse_body, ChatCompletionRequest, raw)
-            return await create_chat_completion(ctx, body, request, len(raw))
-        except ClientDisconnected:
-            return Response(status_code=499)  # nobody reads it; nothing to log
+        return await generate(request, chat=True)
 
     @app.post("/invocations", openapi_extra=_json_body(ChatCompletionRequest))
     async def invocations(request: Request) -> Response:
         """SageMaker's single route: chat when the body has messages, else completions."""
         try:
             raw = await read_body(request, limit)
-            kind = _invocation_kind(raw)
-            if kind is ChatCompletionRequest:
-                chat = await off_loop_if_big(len(raw), parse_body, ChatCompletionRequest, raw)
-                return await create_chat_completion(ctx, chat, request, len(raw))
-            body = await off_loop_if_big(len(raw), parse_body, CompletionRequest, raw)
-            return await create_completion(ctx, body, request, len(raw))
         except ClientDisconnected:
             return Response(status_code=499)
+        return await generate(request, raw, chat=_invocation_kind(raw) is ChatCompletionRequest)
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest))
     async def tokenize_route(request: Request) -> Response:
