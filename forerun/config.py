@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +40,12 @@ class EngineConfig:
     trace_file: str | None = None
     # A grammar still compiling after this long finishes its request with an error.
     structured_outputs_compile_timeout_s: float = 30.0
+    # The most top-N alternatives a request may ask for; -1 allows the whole vocabulary.
+    max_logprobs: int = 20
+    # None keeps today's exact path (weights dequantized to dtype); "gguf" or "int8".
+    quantization: str | None = None
+    # vLLM's dict: {"method": "ngram" | "suffix", "num_speculative_tokens": K, ...}.
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

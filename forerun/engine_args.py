@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from forerun.config import EngineConfig
 
@@ -32,6 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-concurrent-batches", type=int, default=None)
     g.add_argument("--trace-file", default=None,
                    help="write a Chrome trace of engine and worker activity here")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs a request may ask for; -1 for the whole vocabulary")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="gguf (compute with a GGUF's quantized blocks) or int8")
+    g.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     return parser
 
 
@@ -52,4 +60,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         max_concurrent_batches=args.max_concurrent_batches,
         trace_file=args.trace_file,
+        max_logprobs=args.max_logprobs,
+        quantization=args.quantization,
+        speculative_config=args.speculative_config,
     )
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
