@@ -60,6 +60,8 @@ class EngineConfig:
         if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be at least 1")
         resolve_async_mode(self.async_scheduling)  # validates
+        from forerun.spec_decode.config import SpeculativeConfig
+        SpeculativeConfig.from_dict(self.speculative_config)  # validates
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

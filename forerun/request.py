@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from forerun.sampling_params import SamplingParams
+from forerun.spec_decode.config import supports_spec_decode
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +75,10 @@ class Request:
 
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
+        # Speculative decoding: how many drafts the next step schedules (their ids stay on
+        # the worker).
+        self.num_spec_tokens = 0
+        self.spec_enabled = supports_spec_decode(sampling_params)
         self.is_prefill_chunk = False
         # Tokens scheduled in steps whose output has not been processed yet.
         self.num_in_flight_tokens = 0
@@ -105,8 +110,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        # No speculative decoding yet: drafts would be added here.
-        return len(self._all_token_ids)
+        return len(self._all_token_ids) + self.num_spec_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,6 +7,7 @@ check each output was sampled for the right position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -25,6 +26,14 @@ class _WorkerReq:
     prompt_len: int
     num_tokens: int  # known + sampled-by-this-worker
     num_computed: int = 0
+    num_drafts: int = 0  # drafts this worker holds for the request's next step
+
+
+def hash_accept(seed: int) -> Callable[[str, int, int], int]:
+    """A scripted acceptance: a pseudo-random number of the ``d`` drafts, from (id, position)."""
+    def accept(req_id: str, position: int, d: int) -> int:
+        return (hash((seed, req_id, position)) & 0xFFFF) % (d + 1)
+    return accept
 
 
 @dataclass
@@ -44,7 +53,19 @@ class FakeExecutor:
     strict: bool = True
     prompts: dict[str, list[int]] = field(default_factory=dict)
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: drafts found for a request whose next token is at `position`
+    # (at most num_speculative_tokens), and how many of d drafts at `position` are accepted.
+    num_speculative_tokens: int = 0
+    drafts_found: Callable[[str, int], int] | None = None
+    accept: Callable[[str, int, int], int] | None = None
+    # Rejected drafts per step sampled here whose output the scheduler has not applied: the
+    # scheduler's num_computed_tokens is ahead of this worker's by exactly these.
+    unapplied_rejections: dict[int, dict[str, int]] = field(default_factory=dict)
     _pending: list[SchedulerOutput] = field(default_factory=list)
+
+    def mark_applied(self, step_id: int) -> None:
+        """The scheduler applied this step's output (the harness calls this)."""
+        self.unapplied_rejections.pop(step_id, None)
 
     def execute_model(self, so: SchedulerOutput) -> Future[None]:
         for rid in so.finished_req_ids | so.preempted_req_ids:
@@ -60,9 +81,10 @@ class FakeExecutor:
         for rid, c in zip(so.scheduled_cached_reqs.req_ids,
                           so.scheduled_cached_reqs.num_computed_tokens, strict=True):
             if self.strict:
-                assert self.reqs[rid].num_computed == c, (
-                    f"{rid}: scheduler says {c} computed, worker has {self.reqs[rid]}")
-            self.reqs[rid].num_computed = c
+                ahead = sum(r.get(rid, 0) for r in self.unapplied_rejections.values())
+                assert self.reqs[rid].num_computed + ahead == c, (
+                    f"{rid}: scheduler says {c} computed, worker has {self.reqs[rid]} "
+                    f"and {ahead} rejected drafts not yet applied")
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id].num_computed = new.num_computed_tokens
         self._pending.append(so)
@@ -74,20 +96,44 @@ class FakeExecutor:
     def sample_tokens(self, grammar_bitmask: object = None) -> Future[ModelRunnerOutput]:
         so = self._pending.pop(0)
         req_ids, sampled = [], []
+        out = ModelRunnerOutput([], {}, [])
+        rejections: dict[str, int] = {}
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
-            end = r.num_computed + n
+            num_spec = so.scheduled_spec_decode_tokens.get(rid, 0)
+            assert num_spec <= self.num_speculative_tokens, (rid, num_spec)
+            d = min(num_spec, r.num_drafts)  # a real drafter may have found fewer
+            end = r.num_computed + n - num_spec  # the end of the known tokens computed
             if self.strict:
                 assert end <= r.num_tokens, f"{rid}: computes position {end - 1} of {r}"
+                assert not num_spec or end == r.num_tokens, f"{rid}: drafts mid-prompt {r}"
             ids: list[int] = []
             if end >= r.num_tokens:  # reached the end of the sequence: this step samples
-                out_index = end - r.prompt_len + 1
-                ids = [EOS if self.eos_at.get(rid) == out_index else token_for(rid, end)]
-                r.num_tokens = end + 1
+                a = self.accept(rid, end, d) if d and self.accept is not None else 0
+                assert 0 <= a <= d
+                for j in range(a + 1):
+                    out_index = end + j - r.prompt_len + 1
+                    ids.append(EOS if self.eos_at.get(rid) == out_index
+                               else token_for(rid, end + j))
+                r.num_tokens = end + a + 1
                 self.sampled.setdefault(rid, []).extend(ids)
-            r.num_computed = end
+                r.num_computed = end + a
+                if d:
+                    out.num_draft_tokens[rid] = d
+                if num_spec:
+                    rejections[rid] = num_spec - a
+                r.num_drafts = (min(self.num_speculative_tokens,
+                                    self.drafts_found(rid, r.num_tokens))
+                                if self.drafts_found is not None else 0)
+                out.num_next_draft_tokens[rid] = r.num_drafts
+            else:
+                r.num_computed = end
             req_ids.append(rid)
             sampled.append(ids)
+        if rejections:
+            self.unapplied_rejections[so.step_id] = rejections
+        out.req_ids, out.sampled_token_ids = req_ids, sampled
+        out.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
         f: Future[ModelRunnerOutput] = Future()
-        f.set_result(ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled))
+        f.set_result(out)
         return f

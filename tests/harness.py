@@ -77,6 +77,10 @@ class Harness:
     enable_caching: bool = True
     eos_at: dict[str, int] = field(default_factory=dict)
     check: bool = True
+    # Speculative decoding in the fake worker: K, drafts found and acceptance scripts.
+    num_speculative_tokens: int = 0
+    drafts_found: Callable[[str, int], int] | None = None
+    accept: Callable[[str, int, int], int] | None = None
 
     def __post_init__(self) -> None:
         defer = self.defer_block_free
@@ -87,12 +91,15 @@ class Harness:
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             defer_block_free=defer,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler: Scheduler = cls(config, kv)
         self.kv = kv
-        self.executor = FakeExecutor(eos_at=self.eos_at)
+        self.executor = FakeExecutor(
+            eos_at=self.eos_at, num_speculative_tokens=self.num_speculative_tokens,
+            drafts_found=self.drafts_found, accept=self.accept)
         self.engine = EngineCore(self.scheduler, self.executor,
                                  max_concurrent_batches=self.depth)
         self.in_flight: deque[StepRecord] = deque()
@@ -134,6 +141,7 @@ class Harness:
         oldest = self.in_flight.popleft()
         assert oldest.so is so, "steps must be processed once each, in FIFO order"
         outputs = self._orig_update(so, out)
+        self.executor.mark_applied(so.step_id)
         self._after_event()
         for hook in self.on_update:
             hook(so)
@@ -218,9 +226,11 @@ def check_invariants(h: Harness) -> None:
                     for rec in h.in_flight if rec.so.step_id < cut)
         assert r.num_stale_output_tokens == stale, (r, stale)
         assert 0 <= r.num_stale_output_tokens <= r.num_in_flight_tokens
-        # Sampling steps in flight that belong to the current (post-preemption) life.
-        promised = sum(1 for rec in h.in_flight
-                       if rec.so.step_id > cut and rid in rec.sampling)
+        # Tokens promised by sampling steps in flight of the current (post-preemption)
+        # life: one each, plus its drafts counted as if accepted.
+        current = [rec.so for rec in h.in_flight if rec.so.step_id > cut and rid in rec.sampling]
+        promised = sum(1 + so.scheduled_spec_decode_tokens.get(rid, 0) for so in current)
+        assert 0 <= r.num_spec_tokens <= s.config.num_speculative_tokens, r
         # The max_tokens guard: never promise more tokens than the request may have.
         assert r.num_output_tokens + P <= r.max_tokens, r
         if r.status == RequestStatus.RUNNING:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forerun.core.output import SchedulerOutput
+from forerun.core.output import ModelRunnerOutput, SchedulerOutput
 from forerun.core.scheduler import Scheduler
 from forerun.request import Request, RequestStatus
 
@@ -10,7 +10,8 @@ from forerun.request import Request, RequestStatus
 class AsyncScheduler(Scheduler):
     """Schedules step N+1 while step N is still running, with output placeholders.
 
-    Overrides exactly two hooks of :class:`Scheduler`. Everything else async-specific (the
+    Overrides exactly two hooks of :class:`Scheduler` (and, with speculative decoding,
+    where the next step's draft count comes from). Everything else async-specific (the
     max_tokens guard, stale output after preemption, the deferred-free fence) lives in the
     base class and is a no-op while no placeholders exist.
     """
@@ -20,6 +21,8 @@ class AsyncScheduler(Scheduler):
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         super()._update_after_schedule(scheduler_output)
         pending_structured = False
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = self.config.num_speculative_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests[req_id]
             if request.is_prefill_chunk:
@@ -29,9 +32,17 @@ class AsyncScheduler(Scheduler):
                 request.use_structured_output and request.num_output_placeholders > 0
             )
             # A promise: the step just scheduled will produce this many tokens, whose
-            # ids nobody on this side knows yet.
-            request.num_output_placeholders += self.num_sampled_tokens_per_step
+            # ids nobody on this side knows yet (its drafts count as if all accepted).
+            request.num_output_placeholders += (
+                self.num_sampled_tokens_per_step + spec.get(req_id, 0))
+            if num_drafts and request.spec_enabled:
+                # The drafter runs after this step samples, before the next step executes:
+                # schedule the full count; the worker verifies what it has.
+                request.num_spec_tokens = num_drafts
         scheduler_output.pending_structured_output_tokens |= pending_structured
+
+    def _set_next_spec_tokens(self, request: Request, out: ModelRunnerOutput) -> None:
+        pass  # set when the step was scheduled; this output is a step behind
 
     def _update_request_with_output(
         self,

@@ -54,6 +54,9 @@ class SchedulerOutput:
     # Set when a grammar request still has a token in flight: its bitmask for this step
     # cannot be built until that token has advanced the grammar, so sampling must wait.
     pending_structured_output_tokens: bool = False
+    # Requests whose scheduled tokens end in draft positions: how many (never which ids;
+    # the worker has those). The worker may verify fewer, if its drafter found fewer.
+    scheduled_spec_decode_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -89,6 +92,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Requests that asked for prompt logprobs and computed prompt positions this step.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding: drafts verified this step per request (its sampled ids are the
+    # accepted drafts plus one), and drafts the worker holds for each request's next step.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    num_next_draft_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

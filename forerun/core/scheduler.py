@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from forerun.core.kv_cache_manager import KVCacheManager, cdiv
@@ -37,6 +37,8 @@ class SchedulerConfig:
     # Park the blocks of a finished/preempted request until every step that may still
     # write them has been processed. On whenever more than one step can be in flight.
     defer_block_free: bool = False
+    # Speculative decoding: the most drafts a request verifies per step (0 = off).
+    num_speculative_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -47,6 +49,10 @@ class SchedulerCounters:
     num_preemptions: int = 0
     wasted_tokens: int = 0
     num_scheduled_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -136,6 +142,12 @@ class Scheduler:
             num_grammars_compiled=grammar.num_compiled if grammar else 0,
             num_grammar_compile_errors=grammar.num_compile_errors if grammar else 0,
             num_grammar_rejected_tokens=grammar.num_rejected_tokens if grammar else 0,
+            spec_num_drafts=c.spec_num_drafts,
+            spec_num_draft_tokens=c.spec_num_draft_tokens,
+            spec_num_accepted_tokens=c.spec_num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=list(c.spec_num_accepted_tokens_per_pos),
+            spec_acceptance_rate=(c.spec_num_accepted_tokens / c.spec_num_draft_tokens
+                                  if c.spec_num_draft_tokens else 0.0),
         )
 
     # ----- schedule ---------------------------------------------------------------------
@@ -147,16 +159,30 @@ class Scheduler:
         """
         if request.num_output_placeholders == 0:
             return False
+        # Drafts in flight count as accepted. If some are rejected, the request is short of
+        # its end and is scheduled again once that output arrives: a step of bubble for
+        # it, where assuming rejection would risk a step of wasted work instead.
         promised = request.num_output_tokens + request.num_output_placeholders
         return (
             promised >= request.max_tokens
             or request.num_tokens + request.num_output_placeholders >= self.max_model_len
         )
 
+    def _clamp_spec_tokens(self, request: Request) -> None:
+        """Never draft past max_tokens or max_model_len, even if every draft in flight and
+        every draft of this step is accepted (plus the one token the step samples)."""
+        if request.num_spec_tokens == 0:
+            return
+        ahead = request.num_tokens + request.num_output_placeholders
+        room = min(request.max_tokens - request.num_output_tokens
+                   - request.num_output_placeholders, self.max_model_len - ahead) - 1
+        request.num_spec_tokens = max(0, min(request.num_spec_tokens, room))
+
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[int]] = {}
+        spec_of: dict[str, int] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
@@ -168,6 +194,7 @@ class Scheduler:
             if self._is_output_surely_done(request):
                 req_index += 1
                 continue
+            self._clamp_spec_tokens(request)
             n = (
                 request.num_tokens_with_spec
                 + request.num_output_placeholders
@@ -197,6 +224,13 @@ class Scheduler:
             scheduled_running.append(request)
             num_scheduled[request.request_id] = n
             new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
+            # The tail of n beyond the known and promised tokens is drafts.
+            num_spec = n + request.num_computed_tokens - request.num_tokens \
+                - request.num_output_placeholders
+            if num_spec > 0:
+                spec_of[request.request_id] = num_spec
+            # Consumed: the worker's drafter (sync) or the async hook sets the next count.
+            request.num_spec_tokens = 0
             token_budget -= n
             req_index += 1
 
@@ -254,7 +288,8 @@ class Scheduler:
             assert self.structured_output_manager is not None
             self.structured_output_manager.wait_for_any(compiling, timeout_s=0.01)
 
-        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
+        return self._build_output(scheduled_new, scheduled_running, num_scheduled,
+                                  new_blocks_of, spec_of)
 
     def _try_promote_blocked(self, request: Request) -> bool:
         """True once the request's grammar is compiled; it then waits as usual.
@@ -281,6 +316,7 @@ class Scheduler:
         scheduled_running: list[Request],
         num_scheduled: dict[str, int],
         new_blocks_of: dict[str, list[int]],
+        spec_of: dict[str, int],
     ) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -309,6 +345,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
+            scheduled_spec_decode_tokens=spec_of,
         )
         self._next_step_id += 1
         # New sets: the output holds the old ones.
@@ -343,6 +380,8 @@ class Scheduler:
         # counters reset here. Assignment, not +=: in-flight already includes any old share.
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
+        # Its drafts live on the worker row that the preemption drops.
+        request.num_spec_tokens = 0
         self.counters.num_preemptions += 1
         self.waiting.appendleft(request)
         self.preempted_req_ids.add(request.request_id)
@@ -385,6 +424,10 @@ class Scheduler:
                 request.num_stale_output_tokens -= n
             i = index.get(req_id)
             new_ids = sampled[i] if i is not None else []
+            num_spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id, 0)
+            if num_spec:
+                self._reconcile_drafts(request, num_spec, len(new_ids), is_stale)
+            self._record_spec_stats(req_id, new_ids, model_runner_output)
             status_before = request.status
             new_ids, stopped = self._update_request_with_output(
                 request, new_ids, is_stale, status_before
@@ -399,6 +442,8 @@ class Scheduler:
             if new_ids and request.wants_prompt_logprobs:
                 prompt_logprobs = request.prompt_logprobs
                 request.prompt_logprobs_sent = True
+            if not stopped and not is_stale and request.status == RequestStatus.RUNNING:
+                self._set_next_spec_tokens(request, model_runner_output)
             if stopped:
                 if status_before == RequestStatus.RUNNING:
                     stopped_running.add(req_id)
@@ -421,6 +466,43 @@ class Scheduler:
         if stopped_running:
             self.running = [r for r in self.running if r.request_id not in stopped_running]
         return outputs
+
+    def _reconcile_drafts(self, request: Request, num_spec: int, num_sampled: int,
+                          is_stale: bool) -> None:
+        """Take back what the step's rejected drafts had advanced.
+
+        The step was scheduled as if every draft would be accepted; ``num_sampled`` is the
+        accepted drafts plus the one token sampled after them. Stale output belongs to a
+        life the preemption already reset.
+        """
+        if is_stale:
+            return
+        rejected = num_spec - max(num_sampled - 1, 0)
+        request.num_computed_tokens -= rejected
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= rejected
+
+    def _record_spec_stats(self, req_id: str, new_ids: list[int],
+                           out: ModelRunnerOutput) -> None:
+        num_drafts = out.num_draft_tokens.get(req_id, 0)
+        if num_drafts == 0:
+            return
+        c = self.counters
+        accepted = len(new_ids) - 1
+        c.spec_num_drafts += 1
+        c.spec_num_draft_tokens += num_drafts
+        c.spec_num_accepted_tokens += accepted
+        per_pos = c.spec_num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for pos in range(accepted):
+            per_pos[pos] += 1
+
+    def _set_next_spec_tokens(self, request: Request, out: ModelRunnerOutput) -> None:
+        """Synchronous scheduling learns how many drafts the worker holds for the next step
+        from the output; the async subclass assumes the full count instead."""
+        if self.config.num_speculative_tokens and request.spec_enabled:
+            request.num_spec_tokens = out.num_next_draft_tokens.get(request.request_id, 0)
 
     def _update_request_with_output(
         self,

@@ -18,6 +18,7 @@ from forerun.engine.core import EngineCore
 from forerun.model.config import ModelConfig
 from forerun.model.loader import load_model, load_model_config, load_tokenizer
 from forerun.model.source import ModelSource, resolve_model
+from forerun.spec_decode.config import SpeculativeConfig
 from forerun.structured.backend import XgrammarBackend
 from forerun.structured.manager import StructuredOutputManager
 from forerun.trace import Tracer
@@ -74,11 +75,12 @@ _MODELS: weakref.WeakValueDictionary[tuple, torch.nn.Module] = weakref.WeakValue
 _TOKENIZERS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
-def shared_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    key = (str(info.source.path), info.source.gguf_file, dtype, str(device))
+def shared_model(info: ModelInfo, dtype: torch.dtype, device: torch.device,
+                 quantization: str | None = None) -> torch.nn.Module:
+    key = (str(info.source.path), info.source.gguf_file, dtype, str(device), quantization)
     model = _MODELS.get(key)
     if model is None:
-        model = load_model(info.source, info.model_config, dtype, device)
+        model = load_model(info.source, info.model_config, dtype, device, quantization)
         _MODELS[key] = model
     return model
 
@@ -98,6 +100,7 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
     mc = info.model_config
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
+    spec_config = SpeculativeConfig.from_dict(config.speculative_config)
     async_on, depth, why = config.resolve_async()
     logger.info("async scheduling %s (%s), queue depth %d", "on" if async_on else "off",
                 why, depth)
@@ -117,7 +120,11 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
         max_num_seqs=config.max_num_seqs,
         max_model_len=info.max_model_len,
         defer_block_free=defer,
+        num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0,
     )
+    if spec_config is not None:
+        logger.info("speculative decoding: %s, %d drafts per step", spec_config.method,
+                    spec_config.num_speculative_tokens)
     # Tokenizer info for the grammars is built on the first grammar request, not here.
     grammar_backend = XgrammarBackend(lambda: shared_tokenizer(info), info.vocab_size,
                                       info.eos_token_ids)
@@ -126,10 +133,10 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
     scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv, structured)
 
     def make_runner() -> ModelRunner:
-        model = shared_model(info, dtype, device)
+        model = shared_model(info, dtype, device, config.quantization)
         return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
-                           vocab_size=mc.vocab_size)
+                           vocab_size=mc.vocab_size, speculative_config=spec_config)
 
     executor = Executor(make_runner)
     logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, bs, dtype)

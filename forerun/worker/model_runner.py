@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -17,10 +17,13 @@ from forerun.core.output import (
 )
 from forerun.model.attention import AttentionMetadata, new_kv_cache
 from forerun.sampling_params import SamplingType
+from forerun.spec_decode.config import SpeculativeConfig, supports_spec_decode
+from forerun.spec_decode.proposer import make_proposer
 from forerun.trace import WORKER_LANE, Tracer
 from forerun.worker import rng
+from forerun.worker.rejection_sampler import verify
 from forerun.worker.request_state import CachedRequestState
-from forerun.worker.sampler import Sampler, SamplerOutput, compute_logprobs
+from forerun.worker.sampler import Sampler, SamplerOutput, compute_logprobs, process_logits
 from forerun.worker.sampling_state import SamplingState
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,9 @@ class _StepState:
     # (req_id, start, ids [m, 1+n], logprobs [m, 1+n], ranks [m]) per prompt chunk.
     prompt_logprobs: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = \
         field(default_factory=list)
+    # With a drafter: each sampling request's drafts verified this step (its logits rows
+    # are len(drafts) + 1 consecutive rows).
+    drafts: list[list[int]] | None = None
 
 
 class AsyncModelRunnerOutput:
@@ -113,6 +119,7 @@ class ModelRunner:
         max_num_seqs: int,
         tracer: Tracer | None = None,
         vocab_size: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -133,6 +140,8 @@ class ModelRunner:
         # Penalty counts, bias rows and bad-word history, per slot, on the device.
         self.sampling_state = SamplingState(max_num_seqs, self.vocab_size, device)
         self._step: _StepState | None = None
+        self.speculative_config = speculative_config
+        self.drafter = make_proposer(speculative_config) if speculative_config else None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ----- state ------------------------------------------------------------------------
@@ -141,10 +150,12 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self._free_slots.append(state.slot)
+                self._drop_drafter_state(state, req_id in so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             old = self.requests.pop(new.req_id, None)
             if old is not None:
                 self._free_slots.append(old.slot)
+                self._drop_drafter_state(old, False)
             params = new.sampling_params
             # A seeded request's uniforms depend on its seed and output index only, so a
             # resumed request continues its random stream exactly where it stopped.
@@ -168,13 +179,26 @@ class ModelRunner:
             )
             self.requests[new.req_id] = state
             self.sampling_state.init_slot(state)
+            if self.drafter is not None:
+                state.token_ids = list(ids)  # grows with every sample
+                self.drafter.add_request(new.req_id, state.token_ids, num_prompt)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
             state = self.requests[req_id]
             state.block_ids.extend(new_blocks)
-            state.num_computed_tokens = computed
+            if self.drafter is None:
+                state.num_computed_tokens = computed
+            else:
+                # The scheduler counted in-flight drafts as accepted; this side knows how
+                # many were, and keeps its own count.
+                assert computed >= state.num_computed_tokens, (req_id, computed, state)
+
+    def _drop_drafter_state(self, state: CachedRequestState, finished: bool) -> None:
+        if self.drafter is not None:
+            self.drafter.remove_request(state.req_id, state.token_ids, state.num_prompt_tokens,
+                                        finished)
 
     # ----- the two calls ----------------------------------------------------------------
     @torch.inference_mode()
@@ -187,12 +211,13 @@ class ModelRunner:
                 return
             inputs = self._prepare_inputs(so, req_ids)
         with self.tracer.span("forward", WORKER_LANE, so.step_id):
-            input_ids, positions, meta, logits_rows, sample_req_ids, sample_slots = inputs
+            (input_ids, positions, meta, logits_rows, sample_req_ids, sample_slots, drafts,
+             num_tokens_of) = inputs
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[logits_rows]) if sample_req_ids else None
-            prompt_lps = self._prompt_logprobs(so, req_ids, hidden)
+            prompt_lps = self._prompt_logprobs(num_tokens_of, hidden)
         self._step = _StepState(req_ids, sample_req_ids, sample_slots, logits,
-                                so.step_id, prompt_lps)
+                                so.step_id, prompt_lps, drafts)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: object | None = None
@@ -205,6 +230,9 @@ class ModelRunner:
             if not plan.prompt_reqs:
                 return _make_output(step.req_ids, [], [])
             return self._finish_output(plan)
+        if step.drafts is not None:
+            with self.tracer.span("sample", WORKER_LANE, step.step_id):
+                return self._sample_with_drafts(step, grammar_bitmask)
         with self.tracer.span("sample", WORKER_LANE, step.step_id):
             logits = step.logits
             if grammar_bitmask is not None:
@@ -253,7 +281,7 @@ class ModelRunner:
             event.record(stream)
         return AsyncModelRunnerOutput(host, event, plan.build)
 
-    def _prompt_logprobs(self, so: SchedulerOutput, req_ids: list[str], hidden: torch.Tensor
+    def _prompt_logprobs(self, num_tokens_of: dict[str, int], hidden: torch.Tensor
                          ) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Raw logprobs of the prompt tokens this step's chunks predict.
 
@@ -263,8 +291,7 @@ class ModelRunner:
         """
         out = []
         row0 = 0
-        for req_id in req_ids:
-            n = so.num_scheduled_tokens[req_id]
+        for req_id, n in num_tokens_of.items():
             state = self.requests[req_id]
             if state.want_prompt_logprobs:
                 end = state.num_computed_tokens  # already advanced by _prepare_inputs
@@ -305,14 +332,28 @@ class ModelRunner:
         fill_rows: list[int] = []  # flat rows whose input is a sample still on the device
         fill_slots: list[int] = []
         tables: list[list[int]] = []
+        spec = so.scheduled_spec_decode_tokens
+        step_drafts: list[list[int]] | None = [] if self.drafter is not None else None
+        num_tokens_of: dict[str, int] = {}  # computed this step (drafts found, not reserved)
         for req_id in req_ids:
             state = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
-            end = start + n
             known = len(state.token_ids)
+            drafts: list[int] = []
+            num_spec = spec.get(req_id, 0)
+            if num_spec:
+                # The scheduler reserved num_spec draft positions; verify the drafts the
+                # drafter has (it may have found fewer), at this side's own positions.
+                drafts = state.spec_token_ids[:num_spec]
+                n = n - num_spec + len(drafts)
+            end = start + n
             row0 = len(token_ids)
-            if end <= known:
+            if drafts:
+                assert start + n - len(drafts) == known, (req_id, start, n, known)
+                token_ids.extend(state.token_ids[start:known])
+                token_ids.extend(drafts)
+            elif end <= known:
                 token_ids.extend(state.token_ids[start:end])
             else:
                 # Only the newest position can be unknown here, and it is the request's
@@ -330,14 +371,17 @@ class ModelRunner:
                 pos = np.arange(start, end)
                 slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
             query_start_loc.append(query_start_loc[-1] + n)
+            num_tokens_of[req_id] = n
             seq_lens.append(end)
             tables.append(blocks)
             state.num_computed_tokens = end
-            if end >= known:  # reached the end of the sequence: this step samples
-                logits_rows.append(row0 + n - 1)
+            if end - len(drafts) >= known:  # reached the end of the sequence: this step samples
+                logits_rows.extend(range(row0 + n - 1 - len(drafts), row0 + n))
                 sample_req_ids.append(req_id)
                 sample_slots.append(state.slot)
                 state.last_sampled_pos = end
+                if step_drafts is not None:
+                    step_drafts.append(drafts)
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         if fill_rows:
@@ -358,7 +402,85 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sample_req_ids,
             torch.tensor(sample_slots, dtype=torch.long, device=dev),
+            step_drafts,
+            num_tokens_of,
         )
+
+    # ----- speculative decoding ---------------------------------------------------------
+    def _sample_with_drafts(self, step: _StepState, grammar_bitmask: object | None
+                            ) -> ModelRunnerOutput:
+        """Verify each request's drafts, record what was accepted, and draft again.
+
+        Every row gets the sampling state of the output index it samples (a request's
+        ``num_output_tokens`` plus the row's offset), so ``min_tokens`` and the uniforms
+        are per position. Requests whose rules read the device history (penalties,
+        multi-token bad words) or a grammar never have drafts (one row each).
+        """
+        assert step.logits is not None and step.drafts is not None and self.drafter is not None
+        states = [self.requests[r] for r in step.sample_req_ids]
+        row_states: list[CachedRequestState] = []
+        row_req_ids: list[str] = []
+        for state, drafts in zip(states, step.drafts, strict=True):
+            row_states.append(state)
+            row_req_ids.append(state.req_id)
+            for j in range(1, len(drafts) + 1):
+                row_states.append(replace(state, num_output_tokens=state.num_output_tokens + j))
+                row_req_ids.append(state.req_id)
+        logits = step.logits
+        if grammar_bitmask is not None:
+            logits = self._apply_bitmask(logits, row_req_ids, grammar_bitmask)
+        meta = self.sampling_state.metadata(row_states)
+        logits = process_logits(logits, meta)
+        accept_u = None if meta.all_greedy else rng.acceptance_uniforms(
+            [s.rng_key for s in row_states], [s.num_output_tokens for s in row_states])
+        result = verify(self.sampler, logits, meta, step.drafts, accept_u)
+        # The per-step device state (penalty counts, bad-word history) takes one token per
+        # request, and only requests without drafts use it: record the last.
+        last = torch.tensor([ids[-1] for ids in result.token_ids], dtype=torch.long,
+                            device=self.device)
+        self.sampling_state.record_samples(states, last)
+        out = _make_output(step.req_ids, [], [])
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        for state, drafts, ids in zip(states, step.drafts, result.token_ids, strict=True):
+            out.sampled_token_ids[out.req_id_to_index[state.req_id]] = ids
+            state.num_output_tokens += len(ids) - 1
+            # Positions of rejected drafts hold KV that later steps overwrite.
+            state.num_computed_tokens -= len(drafts) - (len(ids) - 1)
+            state.token_ids.extend(ids)
+            if drafts:
+                out.num_draft_tokens[state.req_id] = len(drafts)
+            state.spec_token_ids = []
+            if k and supports_spec_decode(state.sampling_params):
+                state.spec_token_ids = self.drafter.propose(state.req_id, state.token_ids, k)
+                out.num_next_draft_tokens[state.req_id] = len(state.spec_token_ids)
+        if meta.max_num_logprobs is not None:
+            self._draft_logprobs(out, states, logits, result.rows, result.token_ids)
+        if step.prompt_logprobs:
+            plan = self._output_plan(step, None)
+            built = plan.build([t.tolist() for t in plan.tensors])
+            out.prompt_logprobs = built.prompt_logprobs
+        return out
+
+    def _draft_logprobs(self, out: ModelRunnerOutput, states: list[CachedRequestState],
+                        logits: torch.Tensor, rows: list[list[int]], ids: list[list[int]]
+                        ) -> None:
+        """Logprobs of every delivered token, from the row it was chosen from."""
+        want = [(s, r, t) for s, r, t in zip(states, rows, ids, strict=True)
+                if s.sampling_params.logprobs is not None]
+        flat_rows = [r for _, rs, _ in want for r in rs]
+        chosen = torch.tensor([t for _, _, ts in want for t in ts], dtype=torch.long,
+                              device=logits.device)
+        n_max = max(s.sampling_params.logprobs or 0 for s, _, _ in want)
+        sel = logits.index_select(0, torch.tensor(flat_rows, dtype=torch.long,
+                                                  device=logits.device))
+        lp_ids, lp_vals, ranks = (t.tolist() for t in compute_logprobs(sel, chosen, n_max))
+        i = 0
+        for state, rs, _ in want:
+            n = state.sampling_params.logprobs or 0
+            out.logprobs[state.req_id] = [
+                TokenLogprobs(lp_ids[i + j][: n + 1], lp_vals[i + j][: n + 1], ranks[i + j])
+                for j in range(len(rs))]
+            i += len(rs)
 
 def _vocab_of(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)

@@ -31,3 +31,7 @@ class CachedRequestState:
     want_prompt_logprobs: bool = False
     # Multi-token bad words; their prefixes are matched against the device history.
     bad_word_seqs: list[list[int]] = field(default_factory=list)
+    # Speculative decoding: the drafter's guesses for the positions after the last sample.
+    # A runner with a drafter also appends every sample to ``token_ids`` (the drafter reads
+    # the text on the host), so no position is fed from ``last_sampled``.
+    spec_token_ids: list[int] = field(default_factory=list)

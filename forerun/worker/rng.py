@@ -44,3 +44,13 @@ def uniforms(keys: list[int], counters: list[int]) -> np.ndarray:
     state = _mix(k ^ _KEY_SALT)
     z = _mix(state + (n + np.uint64(1)) * _GOLDEN)
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+# A second stream per key: the draws that accept or reject a draft must be independent of
+# the draw that samples the same position.
+_ACCEPT_SALT = 0x6A09E667F3BCC909
+
+
+def acceptance_uniforms(keys: list[int], counters: list[int]) -> np.ndarray:
+    """float64 uniforms in [0, 1) for speculative acceptance, one per (key, counter)."""
+    return uniforms([k ^ _ACCEPT_SALT for k in keys], counters)

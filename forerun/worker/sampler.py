@@ -89,16 +89,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = process_logits(logits, meta)
-        if meta.all_greedy:
-            sampled = argmax_rows(logits)
-        elif (logits.dtype == torch.float32 and logits.is_contiguous()
-              and cpu_kernels.supports(logits.dtype, logits.device)):
-            sampled = self._sample_cpu(logits, meta)
-        else:
-            sampled = self._sample_torch(logits, meta)
+        sampled = self.choose(logits, meta)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled)
         return SamplerOutput(sampled, *compute_logprobs(logits, sampled, meta.max_num_logprobs))
+
+    def choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Steps 4 and 5 on logits that steps 1 and 2 already processed."""
+        if meta.all_greedy:
+            return argmax_rows(logits)
+        if (logits.dtype == torch.float32 and logits.is_contiguous()
+                and cpu_kernels.supports(logits.dtype, logits.device)):
+            return self._sample_cpu(logits, meta)
+        return self._sample_torch(logits, meta)
 
     @staticmethod
     def _sample_cpu(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""``speculative_config``: vLLM's dict, checked once into a dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from forerun.sampling_params import SamplingParams
+
+METHODS = ("ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """How many tokens to draft per step, and how (vLLM's names for every field).
+
+    ``ngram`` (prompt lookup): the longest suffix of the text so far, between
+    ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, that occurred earlier in the
+    prompt or output proposes the tokens that followed it. ``suffix`` (suffix decoding):
+    counts of continuations over the request's own text and over earlier responses,
+    proposing the most frequent path while its estimated probability stays at or above
+    ``suffix_decoding_min_token_prob``.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method: must be one of {', '.join(METHODS)}"
+                             f"; got {self.method!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1,
+                   MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 1 << 16)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min,
+                   1 << 16)
+        _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth,
+                   1, 1024)
+        _check_int("suffix_decoding_max_cached_requests",
+                   self.suffix_decoding_max_cached_requests, 0, 1 << 30)
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"speculative_config.{name}: must be a number >= 0, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | SpeculativeConfig | None
+                  ) -> SpeculativeConfig | None:
+        """Parse vLLM's dict; None (or ``num_speculative_tokens`` 0) means no drafting."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: must be a dict such as "
+                             "{'method': 'ngram', 'num_speculative_tokens': 4}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: 'method' and 'num_speculative_tokens' are "
+                             "required")
+        if value["num_speculative_tokens"] == 0:
+            return None
+        args = dict(value)
+        # vLLM accepts either bound alone; the other follows it.
+        if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
+            args["prompt_lookup_min"] = min(2, args["prompt_lookup_max"])
+        if "prompt_lookup_min" in args and "prompt_lookup_max" not in args:
+            args["prompt_lookup_max"] = max(5, args["prompt_lookup_min"])
+        return cls(**args)
+
+
+def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"speculative_config.{name}: must be an integer in [{lo}, {hi}], "
+                         f"got {v!r}")
+
+
+def supports_spec_decode(params: SamplingParams) -> bool:
+    """Whether a request may be given drafts; the others decode one token per step.
+
+    Verification samples every draft position in one step, so a rule that depends on the
+    outputs before a position must see the drafts before it. Penalties and multi-token bad
+    words read per-request history kept on the device and updated once per step, and a
+    grammar must advance through each draft before it can mask the next: such requests
+    take K = 0 and stay exact. ``min_tokens``, bias, allowed ids, one-token bad words,
+    temperature, top-k/top-p/min-p and logprobs are exact per position.
+    """
+    return (params.structured_outputs is None and not params.uses_penalties
+            and not any(len(w) > 1 for w in params.bad_words_token_ids))
