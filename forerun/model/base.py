@@ -26,6 +26,8 @@ class CausalLM(nn.Module):
     """
 
     config: ModelConfig
+    # Bytes of weights held (every form, each storage once); set by the loader.
+    resident_weight_bytes: int = 0
 
     def forward(
         self,

@@ -117,10 +117,12 @@ def _load() -> ctypes.CDLL | None:
                            ("silu_and_mul", [_ptr, _ptr, _i64, _i64]),
                            ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]),
                            ("small_matmul", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
-                           ("decoder_stack", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr])):
+                           ("decoder_stack", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
+                           ("decoder_stack_q", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr])):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
+    bind_quant_kernels(lib)
     lib.kv_cache_write.restype = ctypes.c_int
     lib.kv_cache_write.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                    _i64]
@@ -294,6 +296,11 @@ def decoder_stack(dtype: torch.dtype) -> ctypes._CFuncPtr:
     return _fn("decoder_stack", dtype)
 
 
+def decoder_stack_quantized(dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """The decoder stack over GGUF block descriptors (quantization="gguf")."""
+    return _fn("decoder_stack_q", dtype)
+
+
 @dataclass(slots=True)
 class SmallMatmulWeight:
     """A linear weight ``[n, k]`` as :func:`small_matmul` reads it: the plain tensor in
@@ -334,3 +341,97 @@ def small_matmul(x: torch.Tensor, weight: SmallMatmulWeight, bias: torch.Tensor 
     if rc != 0:
         raise MemoryError("small matmul could not allocate its scratch space")
     return out
+
+
+# ---- quantized weights (csrc/quant_matmul.c) -----------------------------------------------
+QUANT_MAX_PARTS = 4  # MAXPARTS in quant_matmul.c
+
+
+class QWeightDesc(ctypes.Structure):
+    """``qweight_t`` of quant_matmul.c: a linear weight as row ranges of GGUF blocks."""
+
+    _fields_ = [("nparts", ctypes.c_int64), ("type", ctypes.c_int64 * QUANT_MAX_PARTS),
+                ("rows", ctypes.c_int64 * QUANT_MAX_PARTS),
+                ("data", ctypes.c_void_p * QUANT_MAX_PARTS)]
+
+
+def bind_quant_kernels(lib: ctypes.CDLL) -> None:
+    """Declare the signatures of the quantized-weight kernels on a loaded library (the
+    kernel library, or a test's build of quant_matmul.c alone for another instruction set)."""
+    for suffix in _DTYPE_SUFFIX.values():
+        fn = getattr(lib, f"quant_matmul_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+        fn = getattr(lib, f"int8_quantize_rows_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _ptr, _ptr, _i64, _i64]
+        fn = getattr(lib, f"int8_dequant_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64]
+    lib.quant_matmul_isa.restype = ctypes.c_int
+    lib.quant_matmul_isa.argtypes = []
+
+
+def quant_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` (float32 or bfloat16), ``W``
+    ``[n, k]`` the GGUF blocks ``desc`` points to; activations quantized per 32-block."""
+    lib = lib or kernel_library()
+    assert lib is not None, "call supports() first"
+    k = x.shape[-1]
+    assert x.is_contiguous() and (bias is None or bias.dtype == x.dtype)
+    out = x.new_empty(*x.shape[:-1], n)
+    rc = getattr(lib, f"quant_matmul_{_DTYPE_SUFFIX[x.dtype]}")(
+        x.data_ptr(), ctypes.addressof(desc), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), x.numel() // k, n, k)
+    if rc == -1:
+        raise MemoryError("quantized matmul could not allocate its scratch space")
+    if rc != 0:
+        raise ValueError("quantized matmul: unsupported block type or shape")
+    return out
+
+
+def quant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
+    """Which body the quantized matmul was built with: ``vnni``, ``avx2`` or ``c``."""
+    lib = lib or kernel_library()
+    assert lib is not None, "call supports() first"
+    return {2: "vnni", 1: "avx2"}.get(lib.quant_matmul_isa(), "c")
+
+
+def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 of contiguous 2-D ``x``: ``(q int8 [m, k], s float32 [m])`` with
+    ``x ~ q * s``, ``s = max|row| / 127``, rounded to nearest even."""
+    m, k = x.shape
+    assert x.is_contiguous()
+    q = torch.empty(m, k, dtype=torch.int8)
+    s = torch.empty(m, dtype=torch.float32)
+    _fn("int8_quantize_rows", x.dtype)(x.data_ptr(), q.data_ptr(), s.data_ptr(), m, k)
+    return q, s
+
+
+def int8_dequant(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``acc * sx[:, None] * sw[None, :] + bias`` in ``dtype``, for int32 ``acc`` ``[m, n]``."""
+    m, n = acc.shape
+    assert acc.is_contiguous() and acc.dtype == torch.int32
+    assert bias is None or bias.dtype == dtype
+    y = torch.empty(m, n, dtype=dtype)
+    _fn("int8_dequant", dtype)(acc.data_ptr(), sx.data_ptr(), sw.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n)
+    return y
+
+
+def build_quant_variant(march: str, out_dir: Path) -> ctypes.CDLL:
+    """quant_matmul.c alone, built with ``-march=<march>`` into ``out_dir`` and loaded: for
+    tests to run the bodies of other instruction sets than this machine's default."""
+    compiler = envs.c_compiler()
+    src = _CSRC / "quant_matmul.c"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"quant_matmul-{march}.so"
+    flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
+    obj = out_dir / f"quant_matmul-{march}.o"
+    _run([compiler, *flags, "-c", str(src), "-o", str(obj)])
+    _run([compiler, *_LINK_FLAGS, "-o", str(target), str(obj), "-lm"])
+    lib = ctypes.CDLL(str(target))
+    bind_quant_kernels(lib)
+    return lib

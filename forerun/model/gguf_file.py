@@ -170,15 +170,52 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def gguf_weights(reader: GGUFReader, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every model tensor, dequantised."""
-    arch, _ = _architecture(reader)
+def _unpermute_rows(arr: np.ndarray, name: str, arch: str, heads: int, kv_heads: int
+                    ) -> np.ndarray:
+    # Only llama-arch conversions permute Q/K rows; qwen2/qwen3 converters keep HF order.
+    if arch == "llama" and ".q_proj." in name:
+        return _unpermute(arr, heads)
+    if arch == "llama" and ".k_proj." in name:
+        return _unpermute(arr, kv_heads)
+    return arr
+
+
+def _head_counts(reader: GGUFReader, arch: str) -> tuple[int, int]:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    return heads, int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+
+
+def gguf_raw_blocks(reader: GGUFReader, types: set[int]
+                    ) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """Yield ``(hf_name, ggml type id, uint8 rows [out, row_bytes])`` for every 2-D weight
+    stored in one of ``types``: the file's blocks as they are (Q/K rows put back in Hugging
+    Face order, whole rows of blocks moving together), copied out of the memory map."""
+    arch, _ = _architecture(reader)
+    heads, kv_heads = _head_counts(reader, arch)
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or int(t.tensor_type) not in types or len(t.shape) != 2:
+            continue
+        if not name.endswith(".weight"):
+            continue
+        raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+        raw = _unpermute_rows(raw, name, arch, heads, kv_heads)
+        yield name, int(t.tensor_type), torch.from_numpy(np.array(raw, dtype=np.uint8,
+                                                                  copy=True))
+
+
+def gguf_weights(reader: GGUFReader, path: Path, skip: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every model tensor, dequantised (except the
+    names in ``skip``, which the model holds in another form)."""
+    arch, _ = _architecture(reader)
+    heads, kv_heads = _head_counts(reader, arch)
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             logger.warning("ignoring unknown GGUF tensor %s", t.name)
+            continue
+        if name in skip:
             continue
         try:
             arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
@@ -186,9 +223,5 @@ def gguf_weights(reader: GGUFReader, path: Path) -> Iterator[tuple[str, torch.Te
             raise ModelLoadError(
                 f"could not read tensor {t.name} from GGUF file {path}: {exc}"
             ) from exc
-        # Only llama-arch conversions permute Q/K rows; qwen2/qwen3 converters keep HF order.
-        if arch == "llama" and ".q_proj." in name:
-            arr = _unpermute(arr, heads)
-        elif arch == "llama" and ".k_proj." in name:
-            arr = _unpermute(arr, kv_heads)
+        arr = _unpermute_rows(arr, name, arch, heads, kv_heads)
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from forerun import envs
-from forerun.model import cpu_kernels
 from forerun.model.attention import AttentionMetadata, KVCache, paged_attention
 from forerun.model.base import CausalLM, Shard
 from forerun.model.config import ModelConfig
@@ -120,6 +119,9 @@ class LlamaForCausalLM(CausalLM):
         # The tied output projection in oneDNN's layout, next to the embedding it shares
         # values with (the embedding lookup needs the plain rows); set by ``prepack``.
         self.packed_tied_head: PackedLinear | None = None
+        # quantization="gguf": the output head over GGUF blocks (the tied embedding's, or
+        # lm_head's own); set by the loader (forerun/model/quant/gguf_linear.py).
+        self.quant_head: nn.Module | None = None
         # Steps of a few tokens run every layer in one C call (see small_batch.py).
         self.small_batch = SmallBatchStack(self)
         self.requires_grad_(False)
@@ -162,6 +164,9 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quant_head is not None:
+            # float32 in, float32 logits out: no rounding of the logits to the model dtype.
+            return self.quant_head(hidden.float())
         if self.small_batch.applies(hidden):
             return self.small_batch.logits(hidden)
         if self.packed_tied_head is not None:
@@ -173,13 +178,17 @@ class LlamaForCausalLM(CausalLM):
     def prepack(self) -> int:
         # The small-batch path packs its copy from the plain weights, which prepacking drops;
         # where it cannot run, no copy is made and the path stays off.
-        dtype = self.model.embed_tokens.weight.dtype
-        if envs.small_batch_tokens() > 0 and cpu_kernels.small_matmul_is_fast(dtype):
+        dtype = self.model.norm.weight.dtype
+        if envs.small_batch_tokens() > 0 and self.small_batch.can_run(dtype):
             self.small_batch.pack()
         else:
             self.small_batch.available = False
         n = prepack_linears(self)
-        if self.lm_head is None:
+        if self.lm_head is None and self.quant_head is None:
             self.packed_tied_head = PackedLinear(self.model.embed_tokens.weight, None)
             n += 1
         return n
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """Weight copies held outside the modules (the small-batch path's)."""
+        return self.small_batch.resident_tensors()

@@ -16,8 +16,17 @@ from forerun.model.base import CausalLM
 from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
-from forerun.model.gguf_file import gguf_chat_template, gguf_hf_config, gguf_weights, open_gguf
+from forerun.model.gguf_file import (
+    gguf_chat_template,
+    gguf_hf_config,
+    gguf_raw_blocks,
+    gguf_weights,
+    open_gguf,
+)
 from forerun.model.packed_linear import prepack_supported
+from forerun.model.quant import resident_weight_bytes, validate_quantization
+from forerun.model.quant.gguf_linear import SUPPORTED_TYPES, apply_gguf_blocks
+from forerun.model.quant.int8_linear import apply_int8
 from forerun.model.registry import get_model_class
 from forerun.model.safetensors_weights import (
     count_tensors,
@@ -92,17 +101,45 @@ def _with_progress(
             bar.update(1)
 
 
+def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """quantization="gguf": the file's Q8_0/Q4_0/Q4_1 linears (and embedding) keep their
+    blocks; every other tensor loads dequantized, as on the exact path."""
+    if not source.is_gguf:
+        raise ModelLoadError(
+            f"quantization='gguf' needs a GGUF file, and {source.name} is a Hugging Face "
+            "folder; use quantization='int8' or None")
+    path = source.gguf_path
+    reader = open_gguf(path)
+    blocks = {name: (qtype, raw.to(device))
+              for name, qtype, raw in gguf_raw_blocks(reader, set(SUPPORTED_TYPES))}
+    used = apply_gguf_blocks(model, blocks, dtype)
+    if not any(n.endswith(("_proj.weight", "lm_head.weight")) for n in used):
+        raise ModelLoadError(
+            f"quantization='gguf': {path.name} has no linear weights in Q8_0, Q4_0 or Q4_1 "
+            "(other GGUF types load dequantized with quantization=None)")
+    weights = gguf_weights(reader, path, skip=frozenset(used))
+    model.load_weights(_with_progress(weights, len(reader.tensors) - len(used), source.name))
+
+
 def load_model(
-    source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+    quantization: str | None = None,
 ) -> CausalLM:
-    """Build the model for ``config`` on ``device`` in ``dtype`` and load its weights."""
+    """Build the model for ``config`` on ``device`` in ``dtype`` and load its weights;
+    ``quantization`` (None, "gguf" or "int8": :mod:`forerun.model.quant`) picks how the
+    linear weights are held."""
+    quantization = validate_quantization(quantization)
     cls = get_model_class(config.architecture)
     # Build on the meta device so no time is spent on random init that weights overwrite.
     with torch.device("meta"):
         model = cls(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     entry = GGUFCacheEntry.for_source(source)
-    if entry is not None and entry.load_weights(model):
+    if quantization == "gguf":
+        # The cache holds dequantized weights; here the blocks come from the file itself.
+        _load_gguf_blocks(model, source, dtype, device)
+    elif entry is not None and entry.load_weights(model):
         logger.info("weights of %s read from the cache %s", source.name, entry.folder)
     else:
         weights, total = _weights(source)
@@ -110,11 +147,16 @@ def load_model(
         if entry is not None:
             entry.save_weights(model)
     model.eval()
+    if quantization == "int8":
+        logger.info("quantization=int8: %d linear weights quantized per output channel",
+                    apply_int8(model))
     if prepack_supported(dtype, device):
         logger.info("%d linear weights reordered for oneDNN", model.prepack())
+    model.resident_weight_bytes = resident_weight_bytes(model)
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s",
+        "loaded %s (%s, %d layers) as %s on %s, quantization=%s: %.1f MiB of weights resident",
         source.name, config.architecture, config.num_hidden_layers, dtype, device,
+        quantization, model.resident_weight_bytes / 2**20,
     )
     return model
 

@@ -49,6 +49,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _packed_matmul(x, self.packed_weight, self.bias, self.out_features)
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The reordered weight and the bias (for resident-memory reports)."""
+        return [self.packed_weight] + ([] if self.bias is None else [self.bias])
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 

@@ -10,6 +10,11 @@ op-by-op path; only the matmul kernel differs (``csrc/small_matmul.c``).
 Used on CPU, in float32 and bfloat16, for steps of at most
 ``envs.small_batch_tokens()`` tokens, when the C kernels are built; otherwise the model
 runs its layers one op at a time.
+
+With ``quantization="gguf"`` (every layer linear a :class:`GGUFLinear`) the same stack runs
+with the quantized matmul (``csrc/quant_matmul.c``) in place of the small matmul: the
+table's weight addresses are then the linears' block descriptors, no copy is made, and a
+step reads each weight in its GGUF blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from forerun import envs
 from forerun.model import cpu_kernels
 from forerun.model.attention import AttentionMetadata, KVCache
+from forerun.model.quant.gguf_linear import GGUFLinear
 
 if TYPE_CHECKING:
     from forerun.model.llama import LlamaForCausalLM
@@ -76,12 +82,48 @@ class SmallBatchStack:
         # bfloat16 packs column pairs: every inner dimension must be even.
         self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
                                               cfg.num_attention_heads * cfg.head_dim))
+        # True/False once pack() has seen the layers: GGUF blocks (quantization="gguf")
+        # or plain weights.
+        self.quantized: bool | None = None
+
+    def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
+        out = []
+        for i, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [(f"{i}.qkv", attn.qkv_proj), (f"{i}.o", attn.o_proj),
+                    (f"{i}.gate_up", mlp.gate_up_proj), (f"{i}.down", mlp.down_proj)]
+        return out
+
+    def _mode(self) -> bool | None:
+        """True: every layer linear is a GGUFLinear; False: every one is a plain
+        ``nn.Linear``; None: a mix or another kind (int8), which the stack cannot run."""
+        kinds = {True if isinstance(m, GGUFLinear) else False
+                 if isinstance(m, torch.nn.Linear) else None
+                 for _, m in self._layer_linears()}
+        if None in kinds or len(kinds) > 1:
+            return None
+        return kinds == {True}
+
+    def can_run(self, dtype: torch.dtype) -> bool:
+        """True if this path has a fast body for ``dtype`` and the model's linears."""
+        mode = self._mode() if self.quantized is None else self.quantized
+        if mode is None:
+            return False
+        return mode or cpu_kernels.small_matmul_is_fast(dtype)
 
     def applies(self, x: torch.Tensor) -> bool:
         """True if a step whose embeddings are ``x`` ``[T, hidden]`` takes this path."""
-        return (self.available and x.dim() == 2 and x.shape[0] <= envs.small_batch_tokens()
-                and (self._even or x.dtype == torch.float32)
-                and cpu_kernels.supports(x.dtype, x.device)
+        if not (self.available and x.dim() == 2 and x.shape[0] <= envs.small_batch_tokens()
+                and cpu_kernels.supports(x.dtype, x.device)):
+            return False
+        if self.quantized is None:
+            self.quantized = self._mode()
+            if self.quantized is None:
+                self.available = False
+                return False
+        if self.quantized:
+            return True
+        return ((self._even or x.dtype == torch.float32)
                 and cpu_kernels.small_matmul_is_fast(x.dtype))
 
     def pack(self) -> None:
@@ -89,22 +131,34 @@ class SmallBatchStack:
         needs the plain weights, so it runs before they are reordered for oneDNN."""
         if self._linears is not None:
             return
+        if self.quantized is None:
+            self.quantized = self._mode()
         linears: dict[str, cpu_kernels.SmallMatmulWeight] = {}
-        for i, layer in enumerate(self.model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
-                                 ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                linears[f"{i}.{name}"] = cpu_kernels.pack_small_matmul_weight(module.weight)
-        head = self.model.lm_head
-        linears["head"] = cpu_kernels.pack_small_matmul_weight(
-            head.weight if head is not None else self.model.model.embed_tokens.weight)
+        if self.quantized is False:
+            for key, module in self._layer_linears():
+                linears[key] = cpu_kernels.pack_small_matmul_weight(module.weight)
+        if self.model.quant_head is None:
+            head = self.model.lm_head
+            linears["head"] = cpu_kernels.pack_small_matmul_weight(
+                head.weight if head is not None else self.model.model.embed_tokens.weight)
         self._linears = linears
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """This path's own weight copies (none before :meth:`pack`, or with GGUF blocks)."""
+        return [] if self._linears is None else [w.data for w in self._linears.values()]
 
     def streamed_bytes(self) -> int:
         """Bytes of linear weights (output head included) one step of this path reads."""
         self.pack()
         assert self._linears is not None
-        return sum(w.data.numel() * w.data.element_size() for w in self._linears.values())
+        total = sum(w.data.numel() * w.data.element_size() for w in self._linears.values())
+        if self.quantized:
+            total += sum(raw.numel() for _, m in self._layer_linears()
+                         for raw in m.resident_tensors())
+        head = self.model.quant_head
+        if head is not None:
+            total += sum(raw.numel() for raw in head.resident_tensors())
+        return total
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of a few hidden rows through the packed output head."""
@@ -116,21 +170,24 @@ class SmallBatchStack:
         if self._weights is None:
             self.pack()
             assert self._linears is not None
-            lin = self._linears
+            if self.quantized:  # the GGUF linears' block descriptors
+                w = {k: ctypes.addressof(m.desc) for k, m in self._layer_linears()}
+            else:
+                w = {k: _addr(v.data) for k, v in self._linears.items()}
             rows = []
             for i, layer in enumerate(self.model.model.layers):
                 attn = layer.self_attn
                 rows.append([
                     _addr(layer.input_layernorm.weight),
-                    _addr(lin[f"{i}.qkv"].data),
+                    w[f"{i}.qkv"],
                     _addr(attn.qkv_proj.bias),
                     _addr(attn.q_norm.weight if attn.q_norm is not None else None),
                     _addr(attn.k_norm.weight if attn.k_norm is not None else None),
-                    _addr(lin[f"{i}.o"].data),
+                    w[f"{i}.o"],
                     _addr(attn.o_proj.bias),
                     _addr(layer.post_attention_layernorm.weight),
-                    _addr(lin[f"{i}.gate_up"].data),
-                    _addr(lin[f"{i}.down"].data),
+                    w[f"{i}.gate_up"],
+                    w[f"{i}.down"],
                     0, 0,
                 ])
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
@@ -172,7 +229,9 @@ class SmallBatchStack:
         a.token_seq, a.token_len = token_seq.data_ptr(), token_len.data_ptr()
         residual = torch.empty_like(x)
         final_norm = self.model.model.norm.weight
-        rc = cpu_kernels.decoder_stack(x.dtype)(
+        stack = (cpu_kernels.decoder_stack_quantized if self.quantized
+                 else cpu_kernels.decoder_stack)
+        rc = stack(x.dtype)(
             table.shape[0], table.data_ptr(), _addr(final_norm), x.data_ptr(),
             residual.data_ptr(), x.shape[0], ctypes.addressof(a))
         if rc != 0:

@@ -49,6 +49,10 @@ int small_matmul_f32(const float *, const float *, const float *, float *, int64
                      int64_t);
 int small_matmul_bf16(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
                       int64_t, int64_t);
+int quant_matmul_f32(const float *, const void *, const float *, float *, int64_t, int64_t,
+                     int64_t);
+int quant_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
+                      int64_t, int64_t);
 int paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *,
                         int64_t, const int64_t *, const int64_t *, float *, int64_t, int64_t,
                         int64_t, int64_t, int64_t, float);
@@ -60,9 +64,11 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
 
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
 
-/* One body for both dtypes: T is the storage type, SFX the kernels' suffix. */
-#define DEFINE_STACK(T, SFX)                                                                    \
-    int decoder_stack_##SFX(int64_t num_layers, const int64_t *layer_ptrs,                      \
+/* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
+ * (small_matmul over plain/packed weights, or quant_matmul over GGUF blocks, whose weight
+ * "addresses" are qweight_t descriptors: quantization="gguf"), NAME the entry point. */
+#define DEFINE_STACK(T, SFX, MM, NAME)                                                          \
+    int NAME(int64_t num_layers, const int64_t *layer_ptrs,                                     \
                             const T *final_norm, T *x, T *residual, int64_t t,                  \
                             const stack_args_t *a) {                                            \
         const int64_t H = a->hidden, D = a->head_dim, NH = a->num_heads,                        \
@@ -83,7 +89,7 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
             } else {                                                                            \
                 rms_norm_##SFX(x, residual, P(lp, W_INPUT_NORM), t, H, a->eps);                 \
             }                                                                                   \
-            small_matmul_##SFX(x, P(lp, W_QKV), P(lp, B_QKV), qkv, t, row, H);                  \
+            if (MM(x, P(lp, W_QKV), P(lp, B_QKV), qkv, t, row, H) != 0) rc = -1;                \
             if (lp[W_Q_NORM]) {                                                                 \
                 for (int64_t i = 0; i < t; ++i) {                                               \
                     rms_norm_##SFX(qkv + i * row, NULL, P(lp, W_Q_NORM), NH, D, a->eps);        \
@@ -95,14 +101,15 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
             void *kc = (void *)(intptr_t)lp[K_CACHE], *vc = (void *)(intptr_t)lp[V_CACHE];      \
             kv_cache_write(qkv + qs, qkv + qs + kvs, row, a->slot_mapping, kc, vc, t, KVH,      \
                            a->block_size, D, sizeof(T));                                        \
-            rc = paged_attention_##SFX(qkv, row, kc, vc, a->block_tables, a->table_stride,      \
-                                       a->token_seq, a->token_len, attn, t, NH, KVH,            \
-                                       a->block_size, D, a->scale);                             \
-            small_matmul_##SFX(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs);                      \
+            if (paged_attention_##SFX(qkv, row, kc, vc, a->block_tables, a->table_stride,       \
+                                      a->token_seq, a->token_len, attn, t, NH, KVH,             \
+                                      a->block_size, D, a->scale) != 0)                         \
+                rc = -1;                                                                        \
+            if (MM(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs) != 0) rc = -1;                    \
             rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \
-            small_matmul_##SFX(h, P(lp, W_GATE_UP), NULL, gate_up, t, 2 * I, H);                \
+            if (MM(h, P(lp, W_GATE_UP), NULL, gate_up, t, 2 * I, H) != 0) rc = -1;              \
             silu_and_mul_##SFX(gate_up, act, t, I);                                             \
-            small_matmul_##SFX(act, P(lp, W_DOWN), NULL, x, t, H, I);                           \
+            if (MM(act, P(lp, W_DOWN), NULL, x, t, H, I) != 0) rc = -1;                         \
         }                                                                                       \
         if (rc == 0) rms_norm_##SFX(x, residual, final_norm, t, H, a->eps);                     \
         free(qkv);                                                                              \
@@ -113,5 +120,7 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
         return rc;                                                                              \
     }
 
-DEFINE_STACK(float, f32)
-DEFINE_STACK(uint16_t, bf16)
+DEFINE_STACK(float, f32, small_matmul_f32, decoder_stack_f32)
+DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, decoder_stack_bf16)
+DEFINE_STACK(float, f32, quant_matmul_f32, decoder_stack_q_f32)
+DEFINE_STACK(uint16_t, bf16, quant_matmul_bf16, decoder_stack_q_bf16)

@@ -1,0 +1,98 @@
+"""GGUF block formats forerun computes with, and their matmul in plain torch.
+
+A weight row of ``k`` values is ``k / 32`` blocks, as stored in the file:
+
+- Q8_0 (34 bytes): fp16 ``d``, 32 int8 ``q``; ``w = d * q``.
+- Q4_0 (18 bytes): fp16 ``d``, 16 bytes of nibbles; ``w = d * (nibble - 8)``.
+- Q4_1 (20 bytes): fp16 ``d``, fp16 ``m``, 16 bytes of nibbles; ``w = d * nibble + m``.
+
+Value ``j < 16`` of a 4-bit block is the low nibble of byte ``j``, value ``16 + j`` its high
+nibble. Every type is written here as ``w = d * u + c`` per block (``u`` a small integer per
+value, ``d`` and ``c`` per block), which is how the C kernel (``csrc/quant_matmul.c``) treats
+them too.
+
+Activations are quantized per row and block of 32 to int8 with the scale
+``s = max|x| / 127`` (rounded to nearest even), as llama.cpp does for its q8 activations. We
+chose that over keeping activations in float because it turns each block's dot product into
+an integer sum of 32 byte products, which the CPU's int8 dot-product instructions (VNNI) do in
+one instruction, so a token's cost stays the bytes of the weights; the added error is that of
+an 8-bit rounding of each activation block (measured on SmolLM2: tests/test_quant_e2e.py).
+:func:`gguf_matmul_torch` computes exactly that function with torch operations: it is the
+fallback where the C kernels are unavailable, and the reference they are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK = 32
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType values)
+BLOCK_BYTES: dict[int, int] = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of ``k`` values in block type ``qtype``."""
+    if k % QK:
+        raise ValueError(f"a quantized row needs a multiple of {QK} values, got {k}")
+    return BLOCK_BYTES[qtype] * (k // QK)
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    # b [..., 2] uint8 (little-endian halves) -> float32 [...]
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def unpack_blocks(qtype: int, raw: torch.Tensor, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(u, d, c)`` of rows ``raw`` ``[n, row_bytes]`` uint8: ``u`` float32 ``[n, k/32, 32]``
+    (integers), ``d`` and ``c`` float32 ``[n, k/32]``, with ``w = d * u + c``."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, k // QK, BLOCK_BYTES[qtype])
+    d = _fp16(blocks[..., 0:2])
+    if qtype == Q8_0:
+        u = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return u, d, torch.zeros_like(d)
+    off = 4 if qtype == Q4_1 else 2
+    qs = blocks[..., off:]
+    u = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    c = _fp16(blocks[..., 2:4]) if qtype == Q4_1 else -8.0 * d
+    return u, d, c
+
+
+def dequantize_rows(qtype: int, raw: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 ``[n, k]`` values of rows ``raw`` (the file's own values, exactly)."""
+    u, d, c = unpack_blocks(qtype, raw, k)
+    return (u * d.unsqueeze(-1) + c.unsqueeze(-1)).reshape(raw.shape[0], k)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 ``x`` ``[m, k]`` -> ``(q, s, s * sum(q))``: ``q`` float32 integers in
+    [-127, 127] ``[m, k/32, 32]``, ``s`` and the scaled sums ``[m, k/32]``."""
+    m, k = x.shape
+    xb = x.reshape(m, k // QK, QK)
+    s = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = torch.round(xb * inv.unsqueeze(-1))
+    return q, s, s * q.sum(dim=-1)
+
+
+def gguf_matmul_torch(x: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` the rows of ``parts`` (``(type, raw rows)``, stacked),
+    activations quantized per 32-block as the C kernel does; ``x`` ``[..., k]``."""
+    k = x.shape[-1]
+    xf = x.reshape(-1, k).float()
+    q, s, ss = quantize_activations(xf)
+    outs = []
+    for qtype, raw in parts:
+        u, d, c = unpack_blocks(qtype, raw, k)
+        y = ss @ c.t()
+        for b in range(k // QK):
+            # Integer sums of at most 32 * 255 * 127: exact in float32.
+            y += (q[:, b] @ u[:, b].t()) * (s[:, b, None] * d[None, :, b])
+        outs.append(y)
+    out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,84 @@
+"""``quantization="int8"``: int8 weights per output channel, int8 activations per token.
+
+At load every decoder-layer linear weight ``W`` ``[n, k]`` becomes ``q = round(W / s_w)``
+with ``s_w = max|W[j, :]| / 127`` per output row ``j`` (from whatever the checkpoint holds:
+a Hugging Face folder's floats, or a GGUF's dequantized values). At run time each token's
+activation row gets its own scale the same way (dynamic, symmetric), the product is an
+int8 x int8 -> int32 GEMM (``torch._int_mm``: oneDNN's int8 kernels on CPU, twice the
+arithmetic rate of its bf16 ones on CPUs with VNNI/AMX), and the result is scaled back by
+``s_x[i] * s_w[j]`` (``csrc/quant_matmul.c`` fuses the quantize and the rescale, each one
+pass over memory). Everything else (embedding, output head, norms, attention) stays in the
+model's dtype: batches are bound by the GEMMs' arithmetic, which is where int8 pays.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from forerun.model import cpu_kernels
+
+
+def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8 [n, k], s float32 [n])`` with ``weight ~ q * s[:, None]`` per row."""
+    w = weight.detach().float()
+    s = w.abs().amax(dim=1) / 127.0
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` int8 per output channel and ``x`` quantized per row."""
+
+    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, s = quantize_weight_int8(weight)
+        # [k, n] with n contiguous is a transposed view of the [n, k] rows: torch._int_mm
+        # takes it as the column-major B operand without a copy.
+        self.weight_q = q
+        self.weight_scale = s
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        kernels = cpu_kernels.supports(x.dtype, x.device) and (
+            self.bias is None or self.bias.dtype == x.dtype)
+        if kernels:
+            xq, sx = cpu_kernels.int8_quantize_rows(flat.contiguous())
+        else:
+            xf = flat.float()
+            sx = xf.abs().amax(dim=1) / 127.0
+            inv = torch.where(sx > 0, 1.0 / sx, torch.zeros_like(sx))
+            xq = torch.round(xf * inv[:, None]).to(torch.int8)
+        acc = torch._int_mm(xq, self.weight_q.t())
+        if kernels:
+            y = cpu_kernels.int8_dequant(acc, sx, self.weight_scale, self.bias, x.dtype)
+        else:
+            yf = acc.float() * sx[:, None] * self.weight_scale[None, :]
+            if self.bias is not None:
+                yf = yf + self.bias.float()
+            y = yf.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """int8 rows and scales (for :func:`forerun.model.quant.resident_weight_bytes`)."""
+        return [self.weight_q, self.weight_scale]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def apply_int8(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside the decoder layers (``model.model.layers``) by an
+    :class:`Int8Linear` of its weights; returns the count. The output head is left alone."""
+    count = 0
+    layers = model.get_submodule("model.layers")
+    for path, module in list(layers.named_modules()):
+        if isinstance(module, nn.Linear):
+            parent, _, leaf = path.rpartition(".")
+            setattr(layers.get_submodule(parent) if parent else layers, leaf,
+                    Int8Linear(module.weight, module.bias))
+            count += 1
+    return count
