@@ -34,6 +34,8 @@ from forerun.server.errors import APIError, install_error_handlers
 from forerun.server.metrics import ServerMetrics
 from forerun.server.protocol import ChatCompletionRequest, CompletionRequest
 from forerun.server.responses import ModelCard, ModelList, encode
+from forerun.server.responses_api import create_response
+from forerun.server.responses_protocol import ResponsesRequest
 from forerun.server.serving import ServingContext, now_s
 from forerun.server.tokenize import (
     DetokenizeRequest,
@@ -92,11 +94,14 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
         app.add_middleware(RequestIdHeaders)
 
     async def generate(request: Request, raw: bytes | None = None,
-                       chat: bool = False) -> Response:
-        """Read, parse and run one completion or chat request."""
+                       chat: bool = False, responses: bool = False) -> Response:
+        """Read, parse and run one completion, chat or Responses request."""
         try:
             if raw is None:
                 raw = await read_body(request, limit)
+            if responses:
+                rbody = await off_loop_if_big(len(raw), parse_body, ResponsesRequest, raw)
+                return await create_response(ctx, rbody, request, len(raw))
             if chat:
                 body = await off_loop_if_big(len(raw), parse_body, ChatCompletionRequest, raw)
                 return await create_chat_completion(ctx, body, request, len(raw))
@@ -112,6 +117,10 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
+
+    @app.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await generate(request, responses=True)
 
     @app.post("/invocations", openapi_extra=_json_body(ChatCompletionRequest))
     async def invocations(request: Request) -> Response:
@@ -150,7 +159,7 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
         # Without --enable-server-load-tracking nothing counts, and this stays 0 (vLLM).
         return JSONResponse({"server_load": load.in_flight})
 
-    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest,
+    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest,
                             TokenizeCompletionRequest, DetokenizeRequest])
 
     @app.get("/v1/models")
@@ -187,7 +196,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
 
 
 # Generation routes: what --enable-server-load-tracking counts.
-_LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+_LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                           "/invocations"})
 
 
 def _invocation_kind(raw: bytes) -> type[BaseModel]:

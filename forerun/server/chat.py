@@ -38,8 +38,8 @@ from forerun.server.serving import (
     ServingContext,
     check_model,
     final_outputs,
-    new_id,
     now_s,
+    request_ids,
     start_requests,
 )
 from forerun.server.tool_calls import ChoiceToolStream, ToolPlan, plan_tools, tool_message
@@ -47,8 +47,9 @@ from forerun.server.tool_calls import ChoiceToolStream, ToolPlan, plan_tools, to
 logger = logging.getLogger(__name__)
 
 
-def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest,
-                plan: ToolPlan) -> list[int]:
+def chat_prompt_ids(ctx: ServingContext, body: ChatCompletionRequest,
+                    plan: ToolPlan) -> list[int]:
+    """The conversation's prompt ids through the chat template; 400s name the field."""
     kwargs = template_kwargs(body, plan.tools)
     try:
         return apply_chat_template(ctx.engine.tokenizer, body.messages,
@@ -65,10 +66,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                                  request: Request, body_bytes: int = 0) -> Response:
     check_model(ctx, body.model)
     plan = plan_tools(ctx.tool_config, body, ctx.engine.tokenizer)
-    ids = await off_loop_if_big(body_bytes, _prompt_ids, ctx, body, plan)
+    ids = await off_loop_if_big(body_bytes, chat_prompt_ids, ctx, body, plan)
     body = plan.adjust_request(body)
-    rid = new_id("chatcmpl")
-    streams = await start_requests(ctx, body, rid, [{"prompt_token_ids": ids}],
+    rid, engine_id = request_ids(request, "chatcmpl")
+    streams = await start_requests(ctx, body, engine_id, [{"prompt_token_ids": ids}],
                                    body.requested_max_tokens, None, body_bytes)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, rid, streams[0], plan),

@@ -37,8 +37,8 @@ from forerun.server.serving import (
     check_model,
     final_outputs,
     merge_streams,
-    new_id,
     now_s,
+    request_ids,
     start_requests,
 )
 
@@ -60,8 +60,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         prompts = completion_prompts(body.prompt)
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
-    rid = new_id("cmpl")
-    streams = await start_requests(ctx, body, rid, prompts, body.max_tokens,
+    rid, engine_id = request_ids(request, "cmpl")
+    streams = await start_requests(ctx, body, engine_id, prompts, body.max_tokens,
                                    _DEFAULT_MAX_TOKENS, body_bytes)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, rid, streams),

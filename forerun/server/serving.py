@@ -40,6 +40,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(request: Any, prefix: str, sep: str = "-") -> tuple[str, str]:
+    """(the response's id, the engine's request id) for one HTTP request.
+
+    As in vLLM, a client's ``X-Request-Id`` header names the response
+    (``chatcmpl-<X-Request-Id>``). Clients may reuse a header value, and two requests in
+    flight under one engine id would clash, so the engine's id then gets a suffix.
+    """
+    header = request.headers.get("x-request-id") if request is not None else None
+    if not header:
+        rid = f"{prefix}{sep}{uuid.uuid4().hex}"
+        return rid, rid
+    rid = f"{prefix}{sep}{header}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
 def now_s() -> int:
     return int(time.time())
 
@@ -82,7 +97,7 @@ def plan_requests(ctx: ServingContext, body: _BaseRequest, prompts: Sequence[Any
                                           keep)
             plans.append((processed, processor.process_params(params)))
     except ValueError as exc:
-        raise APIError.bad_request(str(exc)) from None
+        raise APIError.bad_request(body.api_error_text(str(exc))) from None
     return plans
 
 

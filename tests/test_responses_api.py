@@ -1,0 +1,251 @@
+"""``POST /v1/responses`` (OpenAI's Responses API) through the real server and client.
+
+Oracles: the openai package's own pydantic models (``Response``, ``ResponseStreamEvent``)
+validate every body and event strictly; the chat completion of the same conversation
+(greedy, same server) gives the expected text; the tokenizer's chat template gives the
+input token count; ``jsonschema`` checks structured output and tool arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from tests.conftest import SMOLLM2_GGUF, smollm2_dir
+from tests.server_harness import MODEL, ServerHandle, start_server
+
+pytestmark = pytest.mark.slow
+
+EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerHandle:
+    handle = start_server()  # the session's shared default server
+    handle.wait_healthy()
+    return handle
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerHandle) -> httpx.Client:
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        yield c
+
+
+def _create(http: httpx.Client, body: dict[str, Any], **headers: str) -> dict[str, Any]:
+    r = http.post("/v1/responses", json={"model": MODEL, **body}, headers=headers)
+    assert r.status_code == 200, r.text
+    raw = r.json()
+    Response.model_validate(raw)  # every field the SDK's type declares, strictly
+    return raw
+
+
+def _text(raw: dict[str, Any]) -> str:
+    return "".join(p["text"] for item in raw["output"] if item["type"] == "message"
+                   for p in item["content"] if p["type"] == "output_text")
+
+
+def test_string_input_is_the_chat_completion_of_one_user_message(
+        http: httpx.Client, client: openai.OpenAI) -> None:
+    raw = _create(http, {"input": "Name a colour.", "max_output_tokens": 12,
+                         "temperature": 0})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=12, temperature=0)
+    assert raw["object"] == "response" and raw["id"].startswith("resp_")
+    (item,) = raw["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    assert item["content"][0]["annotations"] == []
+    assert _text(raw) == chat.choices[0].message.content
+    usage = raw["usage"]
+    assert usage["input_tokens"] == chat.usage.prompt_tokens
+    assert usage["output_tokens"] == chat.usage.completion_tokens
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    if chat.choices[0].finish_reason == "length":
+        assert raw["status"] == "incomplete"
+        assert raw["incomplete_details"] == {"reason": "max_output_tokens"}
+    else:
+        assert raw["status"] == "completed" and raw["incomplete_details"] is None
+
+
+def test_message_list_with_instructions_and_text_parts(
+        http: httpx.Client, client: openai.OpenAI, tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi"},
+                {"role": "user", "content": "Sky colour?"}]
+    raw = _create(http, {
+        "instructions": "Answer in one word.", "max_output_tokens": 6, "temperature": 0,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+                  {"type": "message", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "Hi"}]},
+                  {"role": "user", "content": "Sky colour?"}]})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    assert raw["usage"]["input_tokens"] == len(expected)
+    assert raw["instructions"] == "Answer in one word."
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                          temperature=0)
+    assert _text(raw) == chat.choices[0].message.content
+
+
+def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="Write a long story about a dragon.",
+                                max_output_tokens=3, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output_text
+
+
+def test_stream_sends_openai_events_in_order(http: httpx.Client,
+                                             client: openai.OpenAI) -> None:
+    body = {"input": "Count from one to five.", "max_output_tokens": 10, "temperature": 0}
+    whole = _create(http, body)
+    events = []
+    with http.stream("POST", "/v1/responses", json={"model": MODEL, "stream": True,
+                                                     **body}) as r:
+        assert r.status_code == 200
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: "):])
+                assert data["type"] == name  # the SSE event name is the event's type
+                EVENTS.validate_python(data)
+                events.append(data)
+    kinds = [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas):] == [
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    text = "".join(deltas)
+    assert text == _text(whole) and events[-4]["text"] == text
+    final = events[-1]["response"]
+    assert _text(final) == text and final["status"] == whole["status"]
+    assert final["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+    # The SDK reads the same stream.
+    got = [e.type for e in client.responses.create(model=MODEL, stream=True, **body)]
+    assert got == kinds
+
+
+def test_text_format_json_schema_is_structured_output(client: openai.OpenAI) -> None:
+    r = client.responses.create(
+        model=MODEL, input="Describe a person as JSON.", max_output_tokens=60,
+        temperature=0, text={"format": {"type": "json_schema", "name": "person",
+                                        "schema": PERSON}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    assert r.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_tools_named_and_required(http: httpx.Client, client: openai.OpenAI,
+                                           stream: bool) -> None:
+    choice: Any = {"type": "function", "name": "get_weather"} if stream else "required"
+    kw: dict[str, Any] = dict(model=MODEL, input="What is the weather in Paris?",
+                              max_output_tokens=30, temperature=0, tools=[WEATHER],
+                              tool_choice=choice)
+    if stream:
+        events = list(client.responses.create(stream=True, **kw))
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert len(done) == 1 and done[0].name == "get_weather"
+        final = events[-1].response
+        assert events[-1].type == "response.completed"
+    else:
+        final = client.responses.create(**kw)
+    calls = [o for o in final.output if o.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), WEATHER["parameters"])
+    # The call and its output go back as input items, and the model answers.
+    call = calls[0]
+    raw = _create(http, {"input": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        "tools": [WEATHER], "tool_choice": "none", "max_output_tokens": 8})
+    assert raw["output"][0]["type"] == "message"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input[0].content[0].type"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": 5}}}},
+     "text.format.schema"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"input": "x", "temperature": "hot"}, "temperature"),
+    ({"input": "x" * 20000}, "input"),
+])
+def test_bad_requests_are_400_naming_the_field(http: httpx.Client, body: dict[str, Any],
+                                               param: str) -> None:
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_x_request_id_names_the_response(http: httpx.Client) -> None:
+    # vLLM: the client's X-Request-Id is the response id; a reused one still runs.
+    results: list[dict[str, Any]] = []
+
+    def one() -> None:
+        results.append(_create(http, {"input": "Hi", "max_output_tokens": 4},
+                               **{"X-Request-Id": "abc123"}))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r["id"] for r in results] == ["resp_abc123", "resp_abc123"]
+    r = http.post("/v1/chat/completions", headers={"X-Request-Id": "xyz"}, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.json()["id"] == "chatcmpl-xyz"
+    r = http.post("/v1/completions", headers={"X-Request-Id": "xyz"},
+                  json={"prompt": "Hi", "max_tokens": 2})
+    assert r.json()["id"] == "cmpl-xyz"
+
+
+def test_all_blocks_free_afterwards(server: ServerHandle) -> None:
+    from tests.test_server import wait_idle
+
+    m = wait_idle(server)
+    assert m["forerun:kv_cache_usage_perc"] == 0.0
+    assert m["forerun:num_requests_running"] == 0
