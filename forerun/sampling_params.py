@@ -19,8 +19,12 @@ from typing import Any
 from forerun.structured.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
-# vLLM's default max_logprobs: the most top-N alternatives a request may ask for.
+# vLLM's default max_logprobs: the most top-N alternatives a request may ask for. The
+# engine's own limit (EngineConfig.max_logprobs, --max-logprobs) is checked by the
+# processor, which knows the vocabulary; SamplingParams checks only the form.
 MAX_LOGPROBS = 20
+# A logprobs count of -1 asks for the whole vocabulary (vLLM's meaning).
+ALL_LOGPROBS = -1
 
 # Counts and token ids end up in int64 tensors and msgpack ints: one bound for them all.
 INT64_MAX = 2**63 - 1
@@ -78,6 +82,18 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     v = int(value)
     if not lo <= v <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}.")
+    return v
+
+
+def check_logprobs_count(name: str, value: Any) -> int:
+    """A logprobs count: -1 (the whole vocabulary) or a count from 0; ValueError names
+    ``name``. How many a request may have is the engine's limit (the processor's check)."""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {_show(value)}.")
+    v = int(value)
+    if not (v == ALL_LOGPROBS or 0 <= v <= INT64_MAX):
+        raise ValueError(f"{name} must be -1 (the whole vocabulary) or a count from 0, "
+                         f"got {v}.")
     return v
 
 
@@ -249,7 +265,7 @@ class SamplingParams:
                 "truncate_prompt_tokens", self.truncate_prompt_tokens, 1, INT64_MAX)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                setattr(self, name, check_int(name, getattr(self, name), 0, MAX_LOGPROBS))
+                setattr(self, name, check_logprobs_count(name, getattr(self, name)))
         if self.structured_outputs is not None:
             self.structured_outputs = _check_structured(self.structured_outputs)
         self._verify_logits_processing()

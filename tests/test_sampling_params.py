@@ -7,18 +7,16 @@ async scheduling against sync, with preemption and chunked prefill.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from forerun import LLM
 from forerun.sampling_params import SamplingParams
+from tests.tiny_model import write_tiny_llama
 
 VOCAB = 320
 EOS = 2
@@ -32,29 +30,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A tiny random Llama (with a word-level tokenizer "w0z".."w319z") and its HF model."""
-    torch.manual_seed(4321)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                      max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
-                      eos_token_id=EOS, tie_word_embeddings=False)
-    hf = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name
-                    else 0.15 * torch.randn_like(p))
-    hf.eval()
     folder = tmp_path_factory.mktemp("tiny_sampling")
-    hf.save_pretrained(folder)
-    tk = Tokenizer(models.WordLevel({f"w{i}z": i for i in range(VOCAB)}, unk_token="w0z"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0z", bos_token="w1z",
-                            eos_token="w2z").save_pretrained(folder)
-    # Otherwise AutoTokenizer picks the Llama tokenizer class, which re-normalises words.
-    cfg_path = folder / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg_path.write_text(json.dumps(tok_cfg))
-    return folder, hf
+    return folder, write_tiny_llama(folder, VOCAB, EOS)
 
 
 _ENGINES: dict[tuple, LLM] = {}
@@ -303,9 +280,9 @@ def test_async_equals_sync_with_preemption_and_chunking(tiny_dir) -> None:
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
-    (dict(logprobs=21), "logprobs"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    # The count's form only: the limit (--max-logprobs) is the processor's check.
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
 ])
 def test_invalid_values(kw: dict[str, Any], field: str) -> None:

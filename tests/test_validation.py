@@ -11,7 +11,6 @@ generate the same greedy tokens as before and have every KV block free.
 
 from __future__ import annotations
 
-import json
 import math
 import types
 import typing
@@ -23,11 +22,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import torch
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 import forerun.llm
 from forerun import LLM
@@ -46,6 +42,7 @@ from forerun.server.errors import _validation_error
 from forerun.server.protocol import ChatCompletionRequest, CompletionRequest
 from forerun.structured.params import StructuredOutputsParams
 from tests.conftest import assert_all_blocks_free
+from tests.tiny_model import write_tiny_llama
 
 VOCAB = 320
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [9, 8, 7, 6, 5, 9, 8, 7, 6], [100, 200, 300, 10],
@@ -85,7 +82,7 @@ BAD: list[tuple[str, Any]] = [
     ("allowed_token_ids", "12"), ("allowed_token_ids", [2**63]),
     ("bad_words", "word"), ("bad_words", [""]), ("bad_words", ["  "]), ("bad_words", [5]),
     ("bad_words", ["\ud800"]),
-    ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("prompt_logprobs", 21),
+    ("logprobs", -2), ("logprobs", True), ("prompt_logprobs", -2),
     ("prompt_logprobs", 1.0),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", True),
     ("truncate_prompt_tokens", 2**63),
@@ -331,26 +328,8 @@ def test_clone_is_equal_and_independent_on_every_field() -> None:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with a word-level tokenizer ("w0z".."w319z")."""
-    torch.manual_seed(4321)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                      max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
-                      eos_token_id=2, tie_word_embeddings=False)
-    hf = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name
-                    else 0.15 * torch.randn_like(p))
     folder = tmp_path_factory.mktemp("tiny_validation")
-    hf.save_pretrained(folder)
-    tk = Tokenizer(models.WordLevel({f"w{i}z": i for i in range(VOCAB)}, unk_token="w0z"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0z", bos_token="w1z",
-                            eos_token="w2z").save_pretrained(folder)
-    cfg_path = folder / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg_path.write_text(json.dumps(tok_cfg))
+    write_tiny_llama(folder, VOCAB, 2)
     return folder
 
 

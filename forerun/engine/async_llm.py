@@ -127,7 +127,7 @@ class AsyncLLM:
                         ready.max_model_len)
             info.max_model_len = ready.max_model_len
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
-                                   info.eos_token_ids)
+                                   info.eos_token_ids, config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}

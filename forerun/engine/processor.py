@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from forerun.sampling_params import SamplingParams, check_text, check_token_ids
+from forerun.sampling_params import (
+    ALL_LOGPROBS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    check_text,
+    check_token_ids,
+)
 
 PromptType = str | dict[str, Any]
 
@@ -27,11 +33,20 @@ class Processor:
     """Checks a request before any work starts, so that bad input fails alone and early."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        # EngineConfig.max_logprobs (--max-logprobs): -1 allows the whole vocabulary.
+        if max_logprobs < ALL_LOGPROBS:
+            raise ValueError(f"max_logprobs must be -1 or at least 0, got {max_logprobs}")
+        self.max_logprobs = max_logprobs
+
+    @property
+    def logprobs_limit(self) -> int:
+        """The most logprobs one position may carry (the vocabulary when the limit is -1)."""
+        return self.vocab_size if self.max_logprobs == ALL_LOGPROBS else self.max_logprobs
 
     def process_prompt(self, prompt: PromptType,
                        truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
@@ -95,6 +110,7 @@ class Processor:
     def process_params(self, params: SamplingParams) -> SamplingParams:
         params = params.clone()
         params.update_from_model(self.eos_token_ids)
+        self._check_logprobs(params)
         for t in params.stop_token_ids or []:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: token id {t} is out of vocabulary")
@@ -114,6 +130,24 @@ class Processor:
         if params.bad_words:
             params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         return params
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """Counts above the engine's limit are refused (vLLM's rule and wording); -1 (the
+        whole vocabulary) becomes the vocabulary's size, so the worker sees a count."""
+        limit = self.logprobs_limit
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is None:
+                continue
+            if n == ALL_LOGPROBS:
+                n = self.vocab_size
+            if n > limit:
+                asked = (f"-1 asks for the whole vocabulary ({n} logprobs)"
+                         if getattr(params, name) == ALL_LOGPROBS
+                         else f"requested {n} logprobs")
+                raise ValueError(f"{name}: {asked}, which is greater than max allowed: "
+                                 f"{limit} (--max-logprobs {self.max_logprobs})")
+            setattr(params, name, n)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it tokenises alone and after a space (a word start), deduplicated."""

@@ -35,7 +35,7 @@ def _top(pos: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
     """The top-n entries by rank (the chosen token is listed first only when outside it)."""
     ranked = sorted(((t, lp) for t, lp in pos.items() if lp.rank is not None),
                     key=lambda e: e[1].rank or 0)
-    return ranked[:n]
+    return ranked if n < 0 else ranked[:n]  # -1: the whole vocabulary
 
 
 def _completion_top(tid: int, pos: PositionLogprobs, n: int, as_ids: bool
@@ -108,7 +108,8 @@ def prompt_logprobs_json(prompt_ids: list[int],
             str(t): PromptLogprob(_finite(lp.logprob), lp.rank,
                                   token_str(t, lp.decoded_token, as_ids)
                                   if as_ids else lp.decoded_token)
-            for t, lp in pos.items() if t == tid or (lp.rank is not None and lp.rank <= k)})
+            for t, lp in pos.items()
+            if t == tid or (lp.rank is not None and (k < 0 or lp.rank <= k))})
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from forerun.sampling_params import MAX_LOGPROBS, SamplingParams
+from forerun.sampling_params import ALL_LOGPROBS, SamplingParams
 from forerun.server.structured import structured_outputs_of
 
 logger = logging.getLogger(__name__)
@@ -169,6 +169,17 @@ class _BaseRequest(BaseModel):
 
     # The endpoint's own unsupported extras, on top of _UNSUPPORTED_DEFAULTS.
     _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    # SamplingParams fields this endpoint spells differently (for the engine's errors).
+    engine_field_names: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def api_error_text(cls, message: str) -> str:
+        """An engine ValueError's message with the field as this endpoint names it."""
+        for engine_name, api_name in cls.engine_field_names.items():
+            if message.startswith(engine_name) and message[len(engine_name):][:1] in (
+                    ":", " ", ".", "["):
+                return api_name + message[len(engine_name):]
+        return message
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _BaseRequest:
@@ -290,7 +301,8 @@ class CompletionRequest(_BaseRequest):
         # An echo with logprobs shows the prompt's tokens with their top `logprobs` too.
         own = _logprobs_count("prompt_logprobs", self.prompt_logprobs)
         if self.echo and self.logprobs is not None:
-            return max(own or 0, self.num_logprobs() or 0)
+            counts = (own or 0, self.num_logprobs() or 0)
+            return ALL_LOGPROBS if ALL_LOGPROBS in counts else max(counts)
         return own
 
 
@@ -313,11 +325,11 @@ class ChatCompletionRequest(_BaseRequest):
     documents: list[dict[str, Any]] | None = None
 
     _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _CHAT_UNSUPPORTED
+    # Chat's per-token count is top_logprobs; the engine calls it logprobs.
+    engine_field_names: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
     def num_logprobs(self) -> int | None:
-        top = _logprobs_count("top_logprobs", self.top_logprobs)
-        if top is not None and top > MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}.")
+        _logprobs_count("top_logprobs", self.top_logprobs)
         if not self.logprobs:
             if self.top_logprobs:
                 raise ValueError("top_logprobs: needs logprobs to be true")
@@ -333,17 +345,13 @@ class ChatCompletionRequest(_BaseRequest):
 def _logprobs_count(name: str, value: int | None) -> int | None:
     """A logprobs count as the engine takes it; ValueError names the field.
 
-    vLLM reads -1 as "the whole vocabulary" and allows it only when its ``max_logprobs``
-    is -1 too; forerun's limit is fixed at vLLM's default (MAX_LOGPROBS), so -1 is
-    refused the way vLLM refuses it by default, saying why.
+    vLLM reads -1 as "the whole vocabulary"; whether a count (or -1) is within the
+    server's ``--max-logprobs`` is the engine processor's check.
     """
-    if value is None or value >= 0:
+    if value is None or value >= 0 or value == ALL_LOGPROBS:
         return value
-    if value == -1:
-        raise ValueError(f"{name}: -1 asks for the whole vocabulary, which is greater than "
-                         f"max allowed: {MAX_LOGPROBS} (max_logprobs)")
-    raise ValueError(f"{name}: must be -1 (the whole vocabulary) or a count from 0 to "
-                     f"{MAX_LOGPROBS}, got {value}")
+    raise ValueError(f"{name}: must be -1 (the whole vocabulary) or a count from 0, "
+                     f"got {value}")
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
