@@ -22,14 +22,16 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a colour."}]
-TOL = 2e-3  # float32 on both sides; batches differ, so summation order may too
+TOL = 2e-3
+# The second server; test_max_logprobs.py shares it (the whole vocabulary there).
+FORCED_ARGS = ("--enable-force-include-usage", "--no-engine-process", "--max-model-len", "256",
+               "--max-logprobs", "-1")  # float32 on both sides; batches differ, so summation order may too
 
 
 @pytest.fixture(scope="module")
 def env(llm_cache: Any) -> dict[str, Any]:
     main = start_server()
-    forced = start_server("--enable-force-include-usage", "--no-engine-process",
-                          "--max-model-len", "256")
+    forced = start_server(*FORCED_ARGS)
     llm = llm_cache()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
     ref = llm.generate([PROMPT], params, use_tqdm=False)[0]
