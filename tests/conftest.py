@@ -43,7 +43,7 @@ class _LLMCache:
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("kv_cache_memory_bytes", 256 << 20)
         kwargs.setdefault("max_model_len", 2048)
-        key = tuple(sorted(kwargs.items()))
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))  # dict values too
         if key not in self._llms:
             self._llms[key] = LLM(**kwargs)
         return self._llms[key]
