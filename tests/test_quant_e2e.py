@@ -1,0 +1,240 @@
+"""quantization="gguf" and "int8" end to end: the engine on tiny random GGUFs (each block
+type, every CPU path) and on SmolLM2, where the teacher-forced negative log-likelihood of a
+fixed public-domain text (via prompt_logprobs) must stay near the exact engine's, and the
+async engine must produce the synchronous one's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from forerun import LLM, SamplingParams
+from forerun.model import cpu_kernels
+from forerun.model.errors import ModelLoadError
+from forerun.model.loader import load_model, load_model_config, resolve_model
+from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
+from forerun.model.quant.int8_linear import Int8Linear
+from tests.conftest import SMOLLM2_GGUF, smollm2_dir
+from tests.paged_driver import PagedDriver
+
+CPU = torch.device("cpu")
+# Lincoln's Gettysburg Address (1863), public domain.
+TEXT = (
+    "Four score and seven years ago our fathers brought forth on this continent, a new "
+    "nation, conceived in Liberty, and dedicated to the proposition that all men are created "
+    "equal. Now we are engaged in a great civil war, testing whether that nation, or any "
+    "nation so conceived and so dedicated, can long endure. We are met on a great "
+    "battle-field of that war. We have come to dedicate a portion of that field, as a final "
+    "resting place for those who here gave their lives that that nation might live. It is "
+    "altogether fitting and proper that we should do this. But, in a larger sense, we can "
+    "not dedicate -- we can not consecrate -- we can not hallow -- this ground. The brave "
+    "men, living and dead, who struggled here, have consecrated it, far above our poor power "
+    "to add or detract."
+)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small"]
+
+
+def requantize_gguf(src: Path, dst: Path, qtype: GT) -> Path:
+    """A copy of ``src`` with every quantized tensor re-quantized to ``qtype`` (from its
+    dequantized values) and all metadata kept."""
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        shape = tuple(reversed(t.shape.tolist()))
+        if t.tensor_type in (GT.F32, GT.F16):
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(shape).copy())
+            continue
+        arr = dequantize(t.data, t.tensor_type).reshape(shape)
+        q = quantize(arr, qtype)
+        writer.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+# ---- tiny random models -------------------------------------------------------------------
+def _write_tiny_gguf(path: Path, qtype: GT, tied: bool, seed: int) -> None:
+    """A random llama with hidden 64 written with its 2-D weights in ``qtype``."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, layers, heads, kv, vocab = 64, 96, 2, 4, 2, 256
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_eos_token_id(3)
+
+    def mat(name: str, n: int, k: int) -> None:
+        q = quantize((0.15 * rng.standard_normal((n, k))).astype(np.float32), qtype)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, (1 + 0.2 * rng.standard_normal(n)).astype(np.float32))
+
+    mat("token_embd.weight", vocab, hidden)
+    norm("output_norm.weight", hidden)
+    if not tied:
+        mat("output.weight", vocab, hidden)
+    hd = hidden // heads
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        mat(f"blk.{i}.attn_q.weight", heads * hd, hidden)
+        mat(f"blk.{i}.attn_k.weight", kv * hd, hidden)
+        mat(f"blk.{i}.attn_v.weight", kv * hd, hidden)
+        mat(f"blk.{i}.attn_output.weight", hidden, heads * hd)
+        mat(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        mat(f"blk.{i}.ffn_up.weight", inter, hidden)
+        mat(f"blk.{i}.ffn_down.weight", hidden, inter)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture
+def private_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep throw-away GGUFs out of the user's ~/.cache/forerun."""
+    monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "forerun-cache"))
+
+
+@pytest.mark.usefixtures("private_model_cache")
+@pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_0, GT.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("path", ["small-batch", "op-by-op", "torch"])
+def test_tiny_gguf_model_computes_with_its_blocks(tmp_path: Path, monkeypatch, qtype: GT,
+                                                  path: str) -> None:
+    file = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(file, qtype, tied=qtype != GT.Q4_0, seed=int(qtype))
+    source = resolve_model(str(file))
+    config = load_model_config(source)
+    exact = load_model(source, config, torch.float32, CPU)
+    if path == "op-by-op":
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "0")
+    ours = load_model(source, config, torch.float32, CPU, quantization="gguf")
+    layer = ours.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, GGUFLinear)
+    assert isinstance(layer.mlp.down_proj, GGUFLinear)
+    assert isinstance(ours.model.embed_tokens, GGUFEmbedding)
+    assert ours.quant_head is not None
+    # The blocks are held once, never dequantized: far below the float32 model.
+    assert ours.resident_weight_bytes < exact.resident_weight_bytes / 3
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        prompt = [5, 17, 250, 3, 99, 42, 7, 200, 12, 64, 1]
+        with torch.inference_mode():
+            d = PagedDriver(model)
+            out = [d.step([("a", prompt)])[0]]
+            # Then single-token decode steps (the small-batch path when it is on).
+            out += [d.step([("a", [tok])])[0] for tok in (9, 31, 77)]
+        return torch.cat(out)
+
+    want = logits(exact)
+    with monkeypatch.context() as mp:  # the pure-torch function, as reference
+        mp.setattr(cpu_kernels, "supports", lambda *a: False)
+        ref = logits(ours)
+    got = ref if path == "torch" else logits(ours)
+    scale = want.abs().max()
+    # Same weights; only the 8-bit activation blocks differ from the exact path...
+    assert (got - want).abs().max() < 0.05 * scale
+    # ...and every path computes the same function as the torch one.
+    assert (got - ref).abs().max() < 2e-3 * scale
+
+
+def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128))
+    hf.save_pretrained(tmp_path)
+    source = resolve_model(str(tmp_path))
+    config = load_model_config(source)
+    with pytest.raises(ModelLoadError, match="quantization='gguf'"):
+        load_model(source, config, torch.float32, CPU, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(source, config, torch.float32, CPU, quantization="awq")
+    # int8 works from a Hugging Face folder as well.
+    model = load_model(source, config, torch.float32, CPU, quantization="int8")
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Int8Linear)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+
+
+# ---- SmolLM2 ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_files(tmp_path_factory: pytest.TempPathFactory):
+    """The shipped Q4_1 file and Q8_0 / Q4_0 re-quantizations of it; the model cache is off
+    meanwhile, so the throw-away files leave nothing in ~/.cache/forerun."""
+    src = smollm2_dir() / SMOLLM2_GGUF
+    out = tmp_path_factory.mktemp("requantized")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORERUN_CACHE_DIR", "off")
+        yield {"Q4_1": src,
+               "Q8_0": requantize_gguf(src, out / "smollm2.Q8_0.gguf", GT.Q8_0),
+               "Q4_0": requantize_gguf(src, out / "smollm2.Q4_0.gguf", GT.Q4_0)}
+
+
+def _engine(file: Path, **kwargs) -> LLM:
+    return LLM(str(file), kv_cache_memory_bytes=64 << 20, max_model_len=1024, **kwargs)
+
+
+def _nll(llm: LLM) -> float:
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    (out,) = llm.generate([TEXT], sp, use_tqdm=False)
+    ids, plp = out.prompt_token_ids, out.prompt_logprobs
+    assert plp is not None and len(plp) == len(ids) > 100
+    return -float(np.mean([plp[j][ids[j]].logprob for j in range(1, len(ids))]))
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+_EXACT_NLL: dict[str, float] = {}  # per file, across the cases below
+
+
+@pytest.mark.parametrize(("mode", "file", "tolerance"), [
+    ("int8", "Q4_1", 0.01),
+    ("gguf", "Q8_0", 0.01),
+    ("gguf", "Q4_1", 0.05),  # the shipped file
+    ("gguf", "Q4_0", 0.05),
+])
+def test_smollm2_nll_near_exact_and_async_equals_sync(smollm2_files, mode: str, file: str,
+                                                      tolerance: float) -> None:
+    """The exact engine reads the same file (dequantized), so the NLLs compare the
+    computation, not the file's own quantization."""
+    path = smollm2_files[file]
+    if file not in _EXACT_NLL:
+        exact = _engine(path, async_scheduling="off")
+        try:
+            _EXACT_NLL[file] = _nll(exact)
+        finally:
+            exact.shutdown()
+    exact_nll = _EXACT_NLL[file]
+    llms = {m: _engine(path, quantization=mode, async_scheduling=m) for m in ("off", "on")}
+    try:
+        nll = _nll(llms["off"])
+        assert abs(nll - exact_nll) <= tolerance * exact_nll, (nll, exact_nll)
+        assert _greedy(llms["on"]) == _greedy(llms["off"])
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
