@@ -9,6 +9,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from forerun.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_search_sync,
+    check_beam_search,
+)
 from forerun.config import EngineConfig
 from forerun.core.stats import EngineStats
 from forerun.engine.chat import apply_chat_template
@@ -98,6 +104,29 @@ class LLM:
             for conv in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams, use_tqdm: bool = False,
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the ``beam_width`` best sequences of each prompt.
+
+        Each round runs every live beam as a one-token request through :meth:`generate`
+        (see :mod:`forerun.beam_search`); a sequence's ``tokens`` hold the prompt too, and
+        its ``text`` is all of them decoded, as in vLLM. Every prompt is checked first.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        proc = engine.processor
+        ids: list[list[int]] = []
+        for p in prompts:
+            toks = proc.process_prompt(p).prompt_token_ids
+            check_beam_search(params, len(toks), proc.max_model_len, proc.logprobs_limit)
+            ids.append(toks)
+        tok = self.get_tokenizer()
+        return beam_search_sync(
+            lambda ps, sp: self.generate(ps, sp, use_tqdm=use_tqdm), ids, params,
+            proc.eos_token_ids, lambda t: tok.decode(t))
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

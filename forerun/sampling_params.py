@@ -378,3 +378,32 @@ class SamplingParams:
         cannot be forgotten here.
         """
         return copy.deepcopy(self)
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's beam search parameters (``LLM.beam_search`` and the server's ``n``)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.beam_width = check_int("beam_width", self.beam_width, 1, 1 << 20)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1, 1 << 40)
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        self.include_stop_str_in_output = check_bool("include_stop_str_in_output",
+                                                     self.include_stop_str_in_output)
+        self.temperature = check_real("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be at least 0, got {self.temperature}.")
+        self.length_penalty = check_real("length_penalty", self.length_penalty)
+
+    def step_params(self) -> SamplingParams:
+        """One round's request: one token, with the logprobs the candidates come from."""
+        # ignore_eos: an EOS is a candidate like any token; the search decides.
+        return SamplingParams(max_tokens=1, temperature=self.temperature,
+                              logprobs=2 * self.beam_width, ignore_eos=True)

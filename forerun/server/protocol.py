@@ -23,8 +23,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     # vLLM's sampling extras.
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0),
     "logits_processors": (None, []),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
@@ -57,6 +55,22 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # not 1, "5" is not 5, a string is not a one-element list); a JSON integer is still a valid
 # float. Python's json module reads NaN and Infinity, which no sampling field may hold.
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+# Fields beam search cannot honour (each must be absent or off with use_beam_search).
+_BEAM_SEARCH_FORBIDS = (
+    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "bad_words", "allowed_token_ids", "stop", "stop_token_ids", "min_tokens",
+    "seed", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "tools")
+# Values of those fields that mean "off" besides null and false (JSON ints are accepted
+# where the field is a float: 1 for 1.0).
+_BEAM_OFF: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0, 1), "repetition_penalty": (1.0, 1), "top_k": (-1,), "min_p": (0.0, 0),
+    "presence_penalty": (0.0, 0), "frequency_penalty": (0.0, 0), "min_tokens": (0,),
+    "stop": ([],), "stop_token_ids": ([],), "bad_words": ([],), "tools": ([],),
+    "logit_bias": ({},)}
 
 
 class StreamOptions(BaseModel):
@@ -156,6 +170,9 @@ class _BaseRequest(BaseModel):
     prompt_logprobs: int | None = None
     # vLLM's extra: keep only the prompt's last k tokens (-1: as many as the model takes).
     truncate_prompt_tokens: int | None = None
+    # vLLM's beam search (forerun/beam_search.py): n is the beam width.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @model_validator(mode="before")
     @classmethod
@@ -201,6 +218,22 @@ class _BaseRequest(BaseModel):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not available when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_beam_search(self) -> _BaseRequest:
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty: only used with use_beam_search")
+            return self
+        # Beam search ranks by the model's own logprobs: what would change the step
+        # requests' distributions, or that it does not produce, is a 400, not ignored.
+        for name in _BEAM_SEARCH_FORBIDS:
+            value = getattr(self, name, None)
+            off = _BEAM_OFF.get(name, ())
+            if value is not None and value is not False and not any(
+                    value == o and type(value) is type(o) for o in off):
+                raise ValueError(f"{name}: is not supported with use_beam_search")
         return self
 
     @property

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from forerun.beam_search import BeamSearchParams, BeamSearchStream, check_beam_search
 from forerun.engine.async_llm import AsyncLLM, RequestStream
 from forerun.engine.processor import ProcessedPrompt
 from forerun.outputs import RequestOutput
@@ -115,6 +116,8 @@ async def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
         raise APIError.bad_request(str(exc), "n") from None
     plans = await off_loop_if_big(body_bytes, plan_requests, ctx, body, prompts, requested,
                                   default_max)
+    if body.use_beam_search:
+        return _beam_searches(ctx, body, base_id, plans)  # type: ignore[return-value]
     streams: list[RequestStream] = []
     try:
         for i, (processed, params) in enumerate(plans):
@@ -131,6 +134,33 @@ async def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
             s.abort()
         raise
     return streams
+
+
+def _beam_searches(ctx: ServingContext, body: _BaseRequest, base_id: str,
+                   plans: list[tuple[ProcessedPrompt, SamplingParams]],
+                   ) -> list[BeamSearchStream]:
+    """``use_beam_search``: one search of width ``n`` per prompt, read like a stream (its
+    one output carries the n best beams as the n completions)."""
+    proc = ctx.engine.processor
+    searches = []
+    for i, (processed, params) in enumerate(plans):
+        assert params.max_tokens is not None
+        beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
+                                ignore_eos=params.ignore_eos, temperature=params.temperature,
+                                length_penalty=body.length_penalty,
+                                include_stop_str_in_output=params.include_stop_str_in_output)
+        try:
+            check_beam_search(beam, len(processed.prompt_token_ids), proc.max_model_len,
+                              proc.logprobs_limit)
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc)) from None
+        rid = base_id if len(plans) == 1 else f"{base_id}-{i}"
+        searches.append(BeamSearchStream(ctx.engine, rid, processed.prompt,
+                                         processed.prompt_token_ids, beam,
+                                         params.skip_special_tokens))
+        if ctx.on_request is not None:
+            ctx.on_request(rid, processed, params)
+    return searches
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
