@@ -16,6 +16,16 @@ DEVICE_SPANS = frozenset({"forward", "sample"})
 
 
 @dataclass(slots=True)
+class CounterSample:
+    """Values of a named counter track at one moment (a Chrome trace "C" event)."""
+
+    name: str
+    time: float
+    step: int
+    values: dict[str, float]
+
+
+@dataclass(slots=True)
 class Span:
     """One timed piece of work on one lane."""
 
@@ -37,6 +47,7 @@ class Tracer:
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
         self.spans: list[Span] = []
+        self.counters: list[CounterSample] = []
         self.device_busy_s = 0.0
         self.worker_idle_s = 0.0
         self.worker_step_gaps = 0
@@ -73,9 +84,16 @@ class Tracer:
                 with self._lock:
                     self.spans.append(Span(name, lane, start, end, step))
 
+    def counter(self, name: str, step: int, values: dict[str, float]) -> None:
+        """Record a counter sample (e.g. accepted drafts per position) when enabled."""
+        if self.enabled:
+            with self._lock:
+                self.counters.append(CounterSample(name, time.perf_counter(), step, values))
+
     def reset(self) -> None:
         with self._lock:
             self.spans.clear()
+            self.counters.clear()
         self.reset_window()
 
     def to_chrome_trace(self) -> dict:
@@ -90,6 +108,9 @@ class Tracer:
                 "ts": (s.start - self._t0) * 1e6, "dur": (s.end - s.start) * 1e6,
                 "args": {"step": s.step},
             })
+        for c in self.counters:
+            events.append({"name": c.name, "ph": "C", "pid": 1, "ts": (c.time - self._t0) * 1e6,
+                           "args": {**c.values, "step": c.step}})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: str | Path) -> None:

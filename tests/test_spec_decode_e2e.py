@@ -9,6 +9,7 @@ the default model on prompts that ask it to copy.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,21 @@ def test_default_model_greedy_with_drafts_equals_without(llm_cache, mode):
         assert y.outputs[0].finish_reason == x.outputs[0].finish_reason
     assert spec.stats().scheduler.spec_num_accepted_tokens > 0
     assert_all_blocks_free(spec)
+
+
+def test_the_trace_shows_accepted_drafts_per_position(tiny_dir, tmp_path):
+    trace = tmp_path / "trace.json"
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4,
+              speculative_config=METHODS["ngram"], trace_file=str(trace))
+    try:
+        run(llm, greedy(30))
+        stats = llm.stats().scheduler
+    finally:
+        llm.shutdown()
+    events = [e for e in json.loads(trace.read_text())["traceEvents"]
+              if e["ph"] == "C" and e["name"] == "spec_decode"]
+    assert events
+    for j, accepted in enumerate(stats.spec_num_accepted_tokens_per_pos):
+        assert sum(e["args"].get(f"accepted@{j}", 0) for e in events) == accepted
+    assert sum(e["args"].get(f"drafted@{j}", 0) for e in events
+               for j in range(K)) == stats.spec_num_draft_tokens

@@ -453,6 +453,8 @@ class ModelRunner:
             if k and supports_spec_decode(state.sampling_params):
                 state.spec_token_ids = self.drafter.propose(state.req_id, state.token_ids, k)
                 out.num_next_draft_tokens[state.req_id] = len(state.spec_token_ids)
+        if self.tracer.enabled and out.num_draft_tokens:
+            self._trace_acceptance(step.step_id, step.drafts, result.token_ids)
         if meta.max_num_logprobs is not None:
             self._draft_logprobs(out, states, logits, result.rows, result.token_ids)
         if step.prompt_logprobs:
@@ -460,6 +462,17 @@ class ModelRunner:
             built = plan.build([t.tolist() for t in plan.tensors])
             out.prompt_logprobs = built.prompt_logprobs
         return out
+
+    def _trace_acceptance(self, step_id: int, drafts: list[list[int]],
+                          token_ids: list[list[int]]) -> None:
+        """A counter track in the trace: per draft position, how many requests of this step
+        had a draft there and how many had it accepted."""
+        width = max(len(d) for d in drafts)
+        values: dict[str, float] = {}
+        for j in range(width):
+            values[f"drafted@{j}"] = sum(1 for d in drafts if len(d) > j)
+            values[f"accepted@{j}"] = sum(1 for ids in token_ids if len(ids) - 1 > j)
+        self.tracer.counter("spec_decode", step_id, values)
 
     def _draft_logprobs(self, out: ModelRunnerOutput, states: list[CachedRequestState],
                         logits: torch.Tensor, rows: list[list[int]], ids: list[list[int]]
