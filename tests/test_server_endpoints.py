@@ -22,6 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from forerun import SamplingParams, StructuredOutputsParams
 from tests.conftest import SMOLLM2_GGUF, smollm2_dir
 from tests.server_harness import ServerHandle, start_server
 
@@ -42,6 +43,7 @@ def server() -> ServerHandle:
     handle = start_server("--uds", SOCK, "--root-path", ROOT, "--served-model-name", *NAMES,
                           "--enable-request-id-headers", "--enable-server-load-tracking",
                           "--enable-tokenizer-info-endpoint",
+                          "--structured-outputs-config", '{"disable_any_whitespace": false}',
                           env={"FORERUN_API_KEY": KEY})
     deadline = time.monotonic() + 240
     while True:
@@ -313,3 +315,33 @@ def test_aborted_requests_are_counted(http: httpx.Client) -> None:
             break
         time.sleep(0.1)
     assert got == 1
+
+
+@pytest.mark.slow
+def test_structured_outputs_config_sets_the_server_wide_whitespace_mode(
+        client: openai.OpenAI, llm_cache: Any) -> None:
+    # This server runs with --structured-outputs-config '{"disable_any_whitespace": false}'
+    # (vLLM's flag): a JSON constraint that does not choose allows any whitespace. Oracle:
+    # the offline engine with each mode set on the request (greedy, float32 both sides).
+    from tests.test_structured_whitespace import TAGS
+
+    ask = [{"role": "user", "content": "Tags for a post about colours, as JSON."}]
+    llm = llm_cache()
+
+    def offline(disable: bool) -> str:
+        so = StructuredOutputsParams(json=TAGS, disable_any_whitespace=disable)
+        p = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so)
+        return llm.chat(ask, p, use_tqdm=False)[0].outputs[0].text
+
+    any_ws, compact = offline(False), offline(True)
+    assert any_ws != compact  # the prompt tells the two modes apart
+    rf = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS}}
+    r = client.chat.completions.create(model=NAMES[0], messages=ask, max_tokens=40,
+                                       temperature=0, response_format=rf)
+    assert r.choices[0].message.content == any_ws
+    # A request's own choice still wins.
+    r = client.chat.completions.create(
+        model=NAMES[0], messages=ask, max_tokens=40, temperature=0, response_format=rf,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert r.choices[0].message.content == compact
+

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forerun.core.output import ModelRunnerOutput, SchedulerOutput
+from forerun.core.output import SchedulerOutput
 from forerun.core.scheduler import Scheduler
 from forerun.request import Request, RequestStatus
 
@@ -10,8 +10,7 @@ from forerun.request import Request, RequestStatus
 class AsyncScheduler(Scheduler):
     """Schedules step N+1 while step N is still running, with output placeholders.
 
-    Overrides exactly two hooks of :class:`Scheduler` (and, with speculative decoding,
-    where the next step's draft count comes from). Everything else async-specific (the
+    Overrides exactly two hooks of :class:`Scheduler`. Everything else async-specific (the
     max_tokens guard, stale output after preemption, the deferred-free fence) lives in the
     base class and is a no-op while no placeholders exist.
     """
@@ -40,9 +39,6 @@ class AsyncScheduler(Scheduler):
                 # schedule the full count; the worker verifies what it has.
                 request.num_spec_tokens = num_drafts
         scheduler_output.pending_structured_output_tokens |= pending_structured
-
-    def _set_next_spec_tokens(self, request: Request, out: ModelRunnerOutput) -> None:
-        pass  # set when the step was scheduled; this output is a step behind
 
     def _update_request_with_output(
         self,

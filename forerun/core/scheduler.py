@@ -499,9 +499,11 @@ class Scheduler:
             per_pos[pos] += 1
 
     def _set_next_spec_tokens(self, request: Request, out: ModelRunnerOutput) -> None:
-        """Synchronous scheduling learns how many drafts the worker holds for the next step
-        from the output; the async subclass assumes the full count instead."""
-        if self.config.num_speculative_tokens and request.spec_enabled:
+        """With no step of the request in flight (always, in sync), the output says how many
+        drafts the worker holds for its next step. With steps in flight, the async hook has
+        already reserved the full count for the step after them, and this output is older."""
+        if (self.config.num_speculative_tokens and request.spec_enabled
+                and request.num_output_placeholders == 0):
             request.num_spec_tokens = out.num_next_draft_tokens.get(request.request_id, 0)
 
     def _update_request_with_output(

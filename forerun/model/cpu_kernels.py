@@ -392,10 +392,11 @@ def quant_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor 
 
 
 def quant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the quantized matmul was built with: ``vnni``, ``avx2`` or ``c``."""
+    """Which body the quantized matmul was built with: ``avx512vnni`` (two blocks per
+    instruction), ``vnni`` (256-bit: AVX-VNNI), ``avx2`` or ``c``."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
-    return {2: "vnni", 1: "avx2"}.get(lib.quant_matmul_isa(), "c")
+    return {3: "avx512vnni", 2: "vnni", 1: "avx2"}.get(lib.quant_matmul_isa(), "c")
 
 
 def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

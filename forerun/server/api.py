@@ -68,7 +68,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
                          force_include_usage=server.enable_force_include_usage,
                          tool_config=ToolCallConfig(server.enable_auto_tool_choice,
                                                     server.tool_call_parser),
-                         chat_template=server.chat_template)
+                         chat_template=server.chat_template,
+                         disable_any_whitespace=server.structured_outputs_disable_any_whitespace)
     created = now_s()
     limit = server.max_request_body_bytes
 

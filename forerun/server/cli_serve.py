@@ -20,7 +20,7 @@ from forerun.engine.core_client import EngineDeadError, EngineStartupError
 from forerun.engine_args import add_engine_args, config_from_args
 from forerun.model.errors import ModelLoadError
 from forerun.server.api import build_app
-from forerun.server.config import ServerConfig
+from forerun.server.config import ServerConfig, parse_structured_outputs_config
 from forerun.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) used "
                         "instead of the model's own")
+    p.add_argument("--structured-outputs-config", default=None,
+                   help='vLLM\'s JSON object; forerun reads "disable_any_whitespace" (the '
+                        "server-wide whitespace mode of JSON constraints; false allows any "
+                        "whitespace, true only one space after ',' and ':' -- unset, forerun's "
+                        'compact default) and "backend" (auto or xgrammar)')
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    default=True, help="run the engine core in a thread of the API process")
     p.add_argument("--log-level", default="info",
@@ -115,7 +120,15 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         chat_template=_read_template(args.chat_template),
+        structured_outputs_disable_any_whitespace=_structured_whitespace(
+            args.structured_outputs_config),
     )
+
+
+def _structured_whitespace(text: str | None) -> bool | None:
+    if text is None:
+        return None
+    return parse_structured_outputs_config(text).get("disable_any_whitespace")
 
 
 def _read_template(value: str | None) -> str | None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from forerun.tool_parsers import ToolParserManager
 
@@ -49,6 +51,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # A Jinja chat template replacing the model's own (--chat-template).
     chat_template: str | None = None
+    # --structured-outputs-config '{"disable_any_whitespace": ...}': the whitespace mode of
+    # JSON constraints for requests that do not choose one (None: forerun's compact one).
+    structured_outputs_disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -73,3 +78,30 @@ class ServerConfig:
                                or self.root_path.endswith("/")):
             raise ValueError("root_path must start with '/' and not end with one, got "
                              f"{self.root_path!r}")
+
+
+# vLLM's StructuredOutputsConfig keys that forerun reads; a backend other than xgrammar
+# (forerun's only one) is refused rather than ignored.
+_STRUCTURED_CONFIG_KEYS = ("backend", "disable_any_whitespace")
+
+
+def parse_structured_outputs_config(text: str) -> dict[str, Any]:
+    """``--structured-outputs-config``: vLLM's JSON object; ValueError says what is wrong."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--structured-outputs-config: not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--structured-outputs-config: must be a JSON object")
+    unknown = sorted(set(value) - set(_STRUCTURED_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--structured-outputs-config: unsupported key(s) {unknown}; "
+                         f"forerun reads {list(_STRUCTURED_CONFIG_KEYS)}")
+    if value.get("backend", "auto") not in ("auto", "xgrammar"):
+        raise ValueError("--structured-outputs-config: backend must be 'auto' or 'xgrammar' "
+                         f"(forerun's), got {value['backend']!r}")
+    if not isinstance(value.get("disable_any_whitespace", False), bool):
+        raise ValueError("--structured-outputs-config: disable_any_whitespace must be a "
+                         "boolean")
+    return value
+

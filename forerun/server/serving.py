@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,6 +36,8 @@ class ServingContext:
     # --enable-auto-tool-choice / --tool-call-parser, and --chat-template.
     tool_config: ToolCallConfig = field(default_factory=ToolCallConfig)
     chat_template: str | None = None
+    # --structured-outputs-config's disable_any_whitespace, for requests that set none.
+    disable_any_whitespace: bool | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -96,6 +99,11 @@ def plan_requests(ctx: ServingContext, body: _BaseRequest, prompts: Sequence[Any
             n = len(processed.prompt_token_ids)
             params = body.sampling_params(resolve_max_tokens(ctx, requested, default_max, n),
                                           keep)
+            so = params.structured_outputs
+            if so is not None and so.disable_any_whitespace is None \
+                    and ctx.disable_any_whitespace is not None:
+                params.structured_outputs = dataclasses.replace(
+                    so, disable_any_whitespace=ctx.disable_any_whitespace)
             plans.append((processed, processor.process_params(params)))
     except ValueError as exc:
         raise APIError.bad_request(body.api_error_text(str(exc))) from None
