@@ -48,3 +48,22 @@ def test_chat_answers_each_line_and_ends_on_eof(llm_cache):
                                 SamplingParams(max_tokens=12, temperature=0),
                                 use_tqdm=False)[0].outputs[0].text
     assert expected.strip() and expected in proc.stdout
+
+
+def test_bad_speculative_config_is_a_one_line_error():
+    for value in ('{"method": "ngram"', '{"method": "medusa", "num_speculative_tokens": 2}'):
+        proc = forerun("generate", "Hi", "--speculative-config", value)
+        assert proc.returncode == 2, proc.stderr
+        assert "speculative" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_drafts_prints_the_same_greedy_text(llm_cache):
+    prompt = "Repeat after me: one two three four five six. Again: one two three"
+    proc = forerun("generate", prompt, "--max-tokens", "16", "--dtype", "float32",
+                   "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024",
+                   "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert proc.returncode == 0, proc.stderr
+    expected = llm_cache().generate([prompt], SamplingParams(max_tokens=16, temperature=0),
+                                    use_tqdm=False)[0].outputs[0].text
+    assert proc.stdout == expected + "\n"
