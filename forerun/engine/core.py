@@ -255,6 +255,8 @@ class EngineCore:
                 1e3 * tracer.worker_idle_s / tracer.worker_step_gaps
                 if tracer.worker_step_gaps else 0.0),
             num_deferred_samplings=self.num_deferred_samplings,
+            weight_bytes=getattr(getattr(getattr(self.executor, "runner", None), "model", None),
+                                 "resident_weight_bytes", 0),
         )
 
     def shutdown(self) -> None:

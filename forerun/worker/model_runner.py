@@ -447,11 +447,17 @@ class ModelRunner:
             # Positions of rejected drafts hold KV that later steps overwrite.
             state.num_computed_tokens -= len(drafts) - (len(ids) - 1)
             state.token_ids.extend(ids)
+            limit = k if state.num_draft_limit < 0 else state.num_draft_limit
             if drafts:
                 out.num_draft_tokens[state.req_id] = len(drafts)
+                # Dynamic draft length: a rejection costs the verification of every draft
+                # after it, so draft fewer where guesses fail and more where they hold.
+                limit = min(k, limit + 2) if len(ids) > len(drafts) else max(1, limit - 1)
+            state.num_draft_limit = limit
             state.spec_token_ids = []
             if k and supports_spec_decode(state.sampling_params):
-                state.spec_token_ids = self.drafter.propose(state.req_id, state.token_ids, k)
+                state.spec_token_ids = self.drafter.propose(state.req_id, state.token_ids,
+                                                            limit)
                 out.num_next_draft_tokens[state.req_id] = len(state.spec_token_ids)
         if self.tracer.enabled and out.num_draft_tokens:
             self._trace_acceptance(step.step_id, step.drafts, result.token_ids)
