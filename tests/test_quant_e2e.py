@@ -232,6 +232,10 @@ def test_smollm2_nll_near_exact_and_async_equals_sync(smollm2_files, mode: str, 
     exact_nll = _EXACT_NLL[file]
     llms = {m: _engine(path, quantization=mode, async_scheduling=m) for m in ("off", "on")}
     try:
+        weight_bytes = llms["off"].stats().weight_bytes
+        assert weight_bytes > 0
+        if mode == "gguf":  # the blocks, about the size of the file, and nothing else
+            assert weight_bytes < 1.05 * path.stat().st_size
         nll = _nll(llms["off"])
         assert abs(nll - exact_nll) <= tolerance * exact_nll, (nll, exact_nll)
         assert _greedy(llms["on"]) == _greedy(llms["off"])
