@@ -44,6 +44,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if x.device.type != "cpu":
+            # torch._int_mm's GPU kernels refuse small row counts (decode): there the int8
+            # weights are dequantized per call (weight-only int8).
+            w = (self.weight_q.to(torch.float32) * self.weight_scale[:, None]).to(x.dtype)
+            y = torch.nn.functional.linear(flat, w, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         kernels = cpu_kernels.supports(x.dtype, x.device) and (
             self.bias is None or self.bias.dtype == x.dtype)
         if kernels:
