@@ -46,6 +46,9 @@ class EngineConfig:
     quantization: str | None = None
     # vLLM's dict: {"method": "ngram" | "suffix", "num_speculative_tokens": K, ...}.
     speculative_config: dict[str, Any] | None = None
+    # "DEVICE[/MODEL]" (e.g. "h100/llama-3-8b"): run the engine with a forward that sleeps
+    # for that model's modelled step time on that device (forerun.worker.simulated).
+    simulated_device: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -62,6 +65,11 @@ class EngineConfig:
         resolve_async_mode(self.async_scheduling)  # validates
         from forerun.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.from_dict(self.speculative_config)  # validates
+        if self.simulated_device is not None:
+            from forerun.worker.simulated import parse_simulated_device
+            parse_simulated_device(self.simulated_device)
+            if self.speculative_config:
+                raise ValueError("simulated_device: speculative decoding needs the real model")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the most logprobs a request may ask for; -1 for the whole vocabulary")
     g.add_argument("--quantization", "-q", default=None,
                    help="gguf (compute with a GGUF's quantized blocks) or int8")
+    g.add_argument("--simulated-device", default=None,
+                   help="DEVICE[/MODEL], e.g. h100/llama-3-8b: the forward only sleeps for "
+                        "its modelled step time (to measure the host side)")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     return parser
@@ -63,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         quantization=args.quantization,
         speculative_config=args.speculative_config,
+        simulated_device=args.simulated_device,
     )
 
 

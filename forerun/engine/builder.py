@@ -24,6 +24,7 @@ from forerun.structured.manager import StructuredOutputManager
 from forerun.trace import Tracer
 from forerun.worker.executor import Executor
 from forerun.worker.model_runner import ModelRunner
+from forerun.worker.simulated import SimulatedModelRunner, parse_simulated_device
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,10 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
     scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv, structured)
 
     def make_runner() -> ModelRunner:
+        if config.simulated_device is not None:
+            sim_device, shape = parse_simulated_device(config.simulated_device)
+            return SimulatedModelRunner(sim_device, shape, num_blocks, bs, config.max_num_seqs,
+                                        mc.vocab_size, tracer=tracer)
         model = shared_model(info, dtype, device, config.quantization)
         return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
