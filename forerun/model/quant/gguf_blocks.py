@@ -11,6 +11,11 @@ nibble. Every type is written here as ``w = d * u + c`` per block (``u`` a small
 value, ``d`` and ``c`` per block), which is how the C kernel (``csrc/quant_matmul.c``) treats
 them too.
 
+In memory the blocks are regrouped by 16 rows (:func:`repack_tiles`; same bytes, same
+bits): a tile is one block column of 16 consecutive rows, the 16 ``d`` (and ``m``) first,
+then the quants as lines of 64 bytes, line ``j`` holding bytes ``4j..4j+3`` of each row's
+quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmul.c``).
+
 Activations are quantized per row and block of 32 to int8 with the scale
 ``s = max|x| / 127`` (rounded to nearest even), as llama.cpp does for its q8 activations. We
 chose that over keeping activations in float because it turns each block's dot product into
@@ -29,6 +34,59 @@ QK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType values)
 BLOCK_BYTES: dict[int, int] = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+GROUP = 16  # rows per tile
+
+
+def _tile_map(qtype: int) -> torch.Tensor:
+    """``[16, block_bytes]``: where byte ``t`` of row ``r``'s block sits in a tile."""
+    bs = BLOCK_BYTES[qtype]
+    head = 64 if qtype == Q4_1 else 32
+    out = torch.empty(GROUP, bs, dtype=torch.int64)
+    for r in range(GROUP):
+        out[r, 0:2] = torch.tensor([2 * r, 2 * r + 1])
+        off = 2
+        if qtype == Q4_1:
+            out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
+            off = 4
+        q = torch.arange(bs - off)
+        out[r, off:] = head + 64 * (q // 4) + 4 * r + q % 4
+    return out
+
+
+_TILE_MAPS: dict[int, torch.Tensor] = {t: _tile_map(t) for t in BLOCK_BYTES}
+
+
+def repack_tiles(qtype: int, raw: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``raw`` ``[n, row_bytes]`` (the file's blocks) as tiles of 16 rows, uint8
+    ``[ceil(n/16) * k/32 * 16 * block_bytes]``; a last group is padded with zero blocks."""
+    n, bs, nb = raw.shape[0], BLOCK_BYTES[qtype], k // QK
+    groups = -(-n // GROUP)
+    padded = raw.new_zeros(groups * GROUP, nb * bs)
+    padded[:n] = raw
+    blocks = padded.view(groups, GROUP, nb, bs).permute(0, 2, 1, 3).reshape(groups, nb, -1)
+    tiles = raw.new_empty(groups, nb, GROUP * bs)
+    tiles[..., _TILE_MAPS[qtype].to(raw.device).reshape(-1)] = blocks
+    return tiles.reshape(-1)
+
+
+def tile_rows(qtype: int, tiles: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """The file's blocks of the rows ``rows`` (int64 ``[T]``) of ``tiles``, ``[T, row_bytes]``."""
+    bs, nb = BLOCK_BYTES[qtype], k // QK
+    t = tiles.view(-1, nb, GROUP * bs)
+    picked = t.index_select(0, rows // GROUP)  # [T, nb, 16 * bs]
+    idx = _TILE_MAPS[qtype].to(tiles.device)[rows % GROUP]  # [T, bs]
+    out = torch.gather(picked, 2, idx.unsqueeze(1).expand(-1, nb, -1))
+    return out.reshape(rows.shape[0], nb * bs)
+
+
+def tiles_to_blocks(qtype: int, tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """All ``n`` rows of ``tiles`` back in the file's layout, ``[n, row_bytes]``."""
+    bs, nb = BLOCK_BYTES[qtype], k // QK
+    t = tiles.view(-1, nb, GROUP * bs)[..., _TILE_MAPS[qtype].to(tiles.device).reshape(-1)]
+    blocks = t.view(-1, nb, GROUP, bs).permute(0, 2, 1, 3).reshape(-1, nb * bs)
+    return blocks[:n]
 
 
 def row_bytes(qtype: int, k: int) -> int:

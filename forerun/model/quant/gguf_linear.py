@@ -28,7 +28,10 @@ from forerun.model.quant.gguf_blocks import (
     TYPE_NAMES,
     dequantize_rows,
     gguf_matmul_torch,
+    repack_tiles,
     row_bytes,
+    tile_rows,
+    tiles_to_blocks,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,15 +61,23 @@ class GGUFLinear(nn.Module):
                                  f"contiguous uint8 [rows, {row_bytes(qtype, in_features)}]")
         self.in_features = in_features
         self.out_features = sum(raw.shape[0] for _, raw in parts)
-        # Plain attributes: nn.Module machinery must not cast or move the raw bytes.
-        self.parts = parts
+        # (type, rows, tiles): the blocks regrouped by 16 rows for the kernel (gguf_blocks).
+        # Plain attributes: nn.Module machinery must not cast or move the bytes.
+        self.tiles = [(qtype, raw.shape[0], repack_tiles(qtype, raw, in_features))
+                      for qtype, raw in parts]
         self.bias = bias
         self.desc = cpu_kernels.QWeightDesc()
         self.desc.nparts = len(parts)
-        for i, (qtype, raw) in enumerate(parts):
+        for i, (qtype, rows, tiles) in enumerate(self.tiles):
             self.desc.type[i] = qtype
-            self.desc.rows[i] = raw.shape[0]
-            self.desc.data[i] = raw.data_ptr()
+            self.desc.rows[i] = rows
+            self.desc.data[i] = tiles.data_ptr()
+
+    @property
+    def parts(self) -> list[tuple[int, torch.Tensor]]:
+        """``(type, rows [n, row_bytes])`` in the file's layout (rebuilt from the tiles)."""
+        return [(qtype, tiles_to_blocks(qtype, tiles, rows, self.in_features))
+                for qtype, rows, tiles in self.tiles]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias
@@ -74,32 +85,43 @@ class GGUFLinear(nn.Module):
             return cpu_kernels.quant_matmul(x.contiguous(), self.desc, self.out_features, bias)
         return gguf_matmul_torch(x, self.parts, bias)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``[T, in_features]`` weight rows ``ids`` (single-part linears)."""
+        assert len(self.tiles) == 1
+        qtype, _, tiles = self.tiles[0]
+        return dequantize_rows(qtype, tile_rows(qtype, tiles, self.in_features, ids),
+                               self.in_features)
+
     def resident_tensors(self) -> list[torch.Tensor]:
-        """The block rows (for :func:`forerun.model.quant.resident_weight_bytes`)."""
-        return [raw for _, raw in self.parts]
+        """The tiles (for :func:`forerun.model.quant.resident_weight_bytes`)."""
+        return [tiles for _, _, tiles in self.tiles]
 
     def extra_repr(self) -> str:
-        types = "+".join(TYPE_NAMES[t] for t, _ in self.parts)
+        types = "+".join(TYPE_NAMES[t] for t, _, _ in self.tiles)
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
 
 
 class GGUFEmbedding(nn.Module):
-    """Token embedding held as GGUF blocks; a lookup dequantizes only the rows asked for."""
+    """Token embedding held as GGUF blocks; a lookup dequantizes only the rows asked for.
 
-    def __init__(self, qtype: int, raw: torch.Tensor, dim: int, dtype: torch.dtype) -> None:
+    The blocks are those of a :class:`GGUFLinear` (for a tied model, the output head's own:
+    the matrix is held once)."""
+
+    def __init__(self, table: GGUFLinear, dtype: torch.dtype) -> None:
         super().__init__()
-        if raw.shape[1] != row_bytes(qtype, dim):
-            raise ValueError("embedding rows do not match the hidden size")
-        self.qtype, self.raw, self.dim, self.dtype = qtype, raw, dim, dtype
+        if len(table.tiles) != 1:
+            raise ValueError("an embedding is one GGUF tensor")
+        # In a list: a submodule here would make the head's parameters appear twice.
+        self._table = [table]
+        self.dim, self.dtype = table.in_features, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.raw.index_select(0, input_ids.reshape(-1))
-        out = dequantize_rows(self.qtype, rows, self.dim).to(self.dtype)
+        out = self._table[0].rows(input_ids.reshape(-1)).to(self.dtype)
         return out.reshape(*input_ids.shape, self.dim)
 
     def resident_tensors(self) -> list[torch.Tensor]:
-        """The block rows (for :func:`forerun.model.quant.resident_weight_bytes`)."""
-        return [self.raw]
+        """The tiles (for :func:`forerun.model.quant.resident_weight_bytes`)."""
+        return self._table[0].resident_tensors()
 
 
 def _checkpoint_parts(model: nn.Module, path: str) -> list[str]:
@@ -143,11 +165,11 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tenso
     emb_name = "model.embed_tokens.weight"
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if emb_name in blocks and isinstance(embed, nn.Embedding):
-        qtype, raw = blocks[emb_name]
-        model.model.embed_tokens = GGUFEmbedding(qtype, raw, embed.embedding_dim, dtype)
+        table = GGUFLinear([blocks[emb_name]], embed.embedding_dim)
+        model.model.embed_tokens = GGUFEmbedding(table, dtype)
         used.add(emb_name)
         if getattr(model, "lm_head", None) is None:  # tied: the head reads the same blocks
-            model.quant_head = GGUFLinear([(qtype, raw)], embed.embedding_dim)
+            model.quant_head = table
     if isinstance(getattr(model, "lm_head", None), GGUFLinear):
         model.quant_head = model.lm_head
     return used
