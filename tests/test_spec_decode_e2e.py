@@ -125,14 +125,19 @@ def test_logprobs_of_accepted_drafts_equal_the_plain_engines(tiny_dir):
                 assert lx[tok].rank == ly[tok].rank
 
 
-def test_history_dependent_rules_stay_exact_without_drafts(tiny_dir):
+def test_penalties_min_tokens_and_bad_words_are_exact_with_drafts(tiny_dir):
     base = engine(tiny_dir, async_scheduling="off")
-    spec = engine(tiny_dir, async_scheduling="on", speculative_config=METHODS["ngram"])
-    for kw in ({"repetition_penalty": 1.3}, {"frequency_penalty": 0.5},
-               {"min_tokens": 12, "stop_token_ids": [7, 8, 9]},
-               {"bad_words": ["w9z w8z"]}):
-        p = SamplingParams(max_tokens=25, temperature=0.0, **kw)
-        assert run(spec, p) == run(base, p), kw
+    for mode in ("off", "on"):
+        spec = engine(tiny_dir, async_scheduling=mode, speculative_config=METHODS["ngram"])
+        for kw in ({"repetition_penalty": 1.3}, {"frequency_penalty": 0.3},
+                   {"presence_penalty": 0.4, "repetition_penalty": 1.1},
+                   {"min_tokens": 12, "stop_token_ids": [7, 8, 9]},
+                   {"bad_words": ["w25z w25z"]}, {"bad_words": ["w4z w25z", "w41z"]}):
+            p = SamplingParams(max_tokens=30, temperature=0.0, **kw)
+            before = spec.stats().scheduler.spec_num_draft_tokens
+            assert run(spec, p) == run(base, p), (mode, kw)
+            assert spec.stats().scheduler.spec_num_draft_tokens > before, (mode, kw)
+        assert_all_blocks_free(spec)
 
 
 def test_seeded_sampling_with_drafts_is_reproducible_whatever_the_batch(tiny_dir):

@@ -87,12 +87,9 @@ def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
 def supports_spec_decode(params: SamplingParams) -> bool:
     """Whether a request may be given drafts; the others decode one token per step.
 
-    Verification samples every draft position in one step, so a rule that depends on the
-    outputs before a position must see the drafts before it. Penalties and multi-token bad
-    words read per-request history kept on the device and updated once per step, and a
-    grammar must advance through each draft before it can mask the next: such requests
-    take K = 0 and stay exact. ``min_tokens``, bias, allowed ids, one-token bad words,
-    temperature, top-k/top-p/min-p and logprobs are exact per position.
+    Verification samples every draft position in one step, each with the rules as they
+    apply there: ``min_tokens``, penalties (counts include the drafts before the position)
+    and bad words (their history too) are exact per position. A grammar would have to
+    advance through each draft before masking the next; grammar requests take K = 0.
     """
-    return (params.structured_outputs is None and not params.uses_penalties
-            and not any(len(w) > 1 for w in params.bad_words_token_ids))
+    return params.structured_outputs is None

@@ -413,37 +413,38 @@ class ModelRunner:
 
         Every row gets the sampling state of the output index it samples (a request's
         ``num_output_tokens`` plus the row's offset), so ``min_tokens`` and the uniforms
-        are per position. Requests whose rules read the device history (penalties,
-        multi-token bad words) or a grammar never have drafts (one row each).
+        are per position; a row's penalty counts and bad-word history include the drafts
+        before it. Grammar requests never have drafts (one row each).
         """
         assert step.logits is not None and step.drafts is not None and self.drafter is not None
         states = [self.requests[r] for r in step.sample_req_ids]
         row_states: list[CachedRequestState] = []
         row_req_ids: list[str] = []
+        row_slots: list[int] = []
+        row_prior: list[list[int]] = []
         for state, drafts in zip(states, step.drafts, strict=True):
-            row_states.append(state)
-            row_req_ids.append(state.req_id)
-            for j in range(1, len(drafts) + 1):
-                row_states.append(replace(state, num_output_tokens=state.num_output_tokens + j))
+            if drafts and state.bad_word_seqs:
+                self.sampling_state.write_history(state, drafts)
+            for j in range(len(drafts) + 1):
+                row_states.append(state if j == 0 else
+                                  replace(state, num_output_tokens=state.num_output_tokens + j))
                 row_req_ids.append(state.req_id)
+                row_slots.append(state.slot)
+                row_prior.append(drafts[:j])
         logits = step.logits
         if grammar_bitmask is not None:
             logits = self._apply_bitmask(logits, row_req_ids, grammar_bitmask)
         meta = self.sampling_state.metadata(row_states)
+        self.sampling_state.add_draft_counts(meta, row_slots, row_prior)
         logits = process_logits(logits, meta)
         accept_u = None if meta.all_greedy else rng.acceptance_uniforms(
             [s.rng_key for s in row_states], [s.num_output_tokens for s in row_states])
         result = verify(self.sampler, logits, meta, step.drafts, accept_u)
-        # The per-step device state (penalty counts, bad-word history) takes one token per
-        # request, and only requests without drafts use it: record the last.
-        last = torch.tensor([ids[-1] for ids in result.token_ids], dtype=torch.long,
-                            device=self.device)
-        self.sampling_state.record_samples(states, last)
+        self.sampling_state.record_sample_runs(states, result.token_ids)
         out = _make_output(step.req_ids, [], [])
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         for state, drafts, ids in zip(states, step.drafts, result.token_ids, strict=True):
             out.sampled_token_ids[out.req_id_to_index[state.req_id]] = ids
-            state.num_output_tokens += len(ids) - 1
             # Positions of rejected drafts hold KV that later steps overwrite.
             state.num_computed_tokens -= len(drafts) - (len(ids) - 1)
             state.token_ids.extend(ids)

@@ -116,6 +116,65 @@ class SamplingState:
             self.history[torch.tensor(hist_slots, dtype=torch.long, device=dev),
                           torch.tensor(hist_pos, dtype=torch.long, device=dev)] = ids
 
+    def record_sample_runs(self, states: list[CachedRequestState], runs: list[list[int]]
+                           ) -> None:
+        """Append each request's run of delivered tokens (accepted drafts, then the sample);
+        the speculative path's :meth:`record_samples`."""
+        dev = self.device
+        pen_slots: list[int] = []
+        pen_ids: list[int] = []
+        for state, ids in zip(states, runs, strict=True):
+            if state.sampling_params.uses_penalties:
+                pen_slots += [state.slot] * len(ids)
+                pen_ids += ids
+            if state.bad_word_seqs:
+                self.write_history(state, ids)
+            state.num_output_tokens += len(ids)
+        if pen_slots:
+            assert self.counts is not None
+            ids_t = torch.tensor(pen_ids, dtype=torch.long, device=dev)
+            self.counts.index_put_(
+                (torch.tensor(pen_slots, dtype=torch.long, device=dev), ids_t),
+                torch.ones_like(ids_t, dtype=torch.int32), accumulate=True)
+
+    def write_history(self, state: CachedRequestState, ids: list[int]) -> None:
+        """Write ids at the request's next output positions of the bad-word history.
+
+        The speculative path writes its drafts here before verifying them, so that a draft
+        row's bad-word check sees the drafts before it; positions past what is accepted are
+        overwritten by the token actually delivered there before anything reads them.
+        """
+        n = state.num_output_tokens
+        self._ensure_history(n + len(ids) + 1)
+        assert self.history is not None
+        self.history[state.slot, n: n + len(ids)] = torch.tensor(ids, dtype=torch.long,
+                                                                 device=self.device)
+
+    def add_draft_counts(self, meta: SamplingMetadata, row_slots: list[int],
+                         row_prior_drafts: list[list[int]]) -> None:
+        """Count, in each penalty row's gathered output counts, the drafts before that row.
+
+        ``row_slots[i]`` is row i's request slot and ``row_prior_drafts[i]`` the drafts
+        verified before row i (empty for a request's first row).
+        """
+        pen = meta.penalties
+        if pen is None:
+            return
+        rows = pen.rows.tolist()
+        idx: list[int] = []
+        ids: list[int] = []
+        for k, row in enumerate(rows):
+            for t in row_prior_drafts[row]:
+                idx.append(k)
+                ids.append(t)
+        if idx:
+            dev = pen.output_counts.device
+            ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+            pen.output_counts = pen.output_counts.clone()
+            pen.output_counts.index_put_(
+                (torch.tensor(idx, dtype=torch.long, device=dev), ids_t),
+                torch.ones_like(ids_t, dtype=torch.int32), accumulate=True)
+
     def metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         """Per-row settings and masks of one step's sampling rows, as device tensors."""
         temps: list[float] = []
