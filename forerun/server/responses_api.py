@@ -38,9 +38,6 @@ from forerun.server.tool_calls import ToolPlan, plan_tools, tool_message
 
 logger = logging.getLogger(__name__)
 
-UNSET = msgspec.UNSET
-
-
 class OutputText(msgspec.Struct):
     text: str
     type: str = "output_text"
