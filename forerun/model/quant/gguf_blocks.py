@@ -19,8 +19,9 @@ quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmu
 Activations are quantized per row and block of 32 to int8 with the scale
 ``s = max|x| / 127`` (rounded to nearest even), as llama.cpp does for its q8 activations. We
 chose that over keeping activations in float because it turns each block's dot product into
-an integer sum of 32 byte products, which the CPU's int8 dot-product instructions (VNNI) do in
-one instruction, so a token's cost stays the bytes of the weights; the added error is that of
+an integer sum of 32 byte products, which the CPU's int8 dot-product instructions (VNNI) do
+four at a time for 16 rows at once, with no per-value conversion of the weights to float, so
+a token's cost stays the bytes of the weights; the added error is that of
 an 8-bit rounding of each activation block (measured on SmolLM2: tests/test_quant_e2e.py).
 :func:`gguf_matmul_torch` computes exactly that function with torch operations: it is the
 fallback where the C kernels are unavailable, and the reference they are tested against.
