@@ -73,11 +73,11 @@ def _text(raw: dict[str, Any]) -> str:
 
 def test_string_input_is_the_chat_completion_of_one_user_message(
         http: httpx.Client, client: openai.OpenAI) -> None:
-    raw = _create(http, {"input": "Name a colour.", "max_output_tokens": 12,
+    raw = _create(http, {"input": "Name a colour.", "max_output_tokens": 6,
                          "temperature": 0})
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
-        max_tokens=12, temperature=0)
+        max_tokens=6, temperature=0)
     assert raw["object"] == "response" and raw["id"].startswith("resp_")
     (item,) = raw["output"]
     assert item["type"] == "message" and item["role"] == "assistant"
@@ -124,7 +124,7 @@ def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
 
 def test_stream_sends_openai_events_in_order(http: httpx.Client,
                                              client: openai.OpenAI) -> None:
-    body = {"input": "Count from one to five.", "max_output_tokens": 10, "temperature": 0}
+    body = {"input": "Count from one to five.", "max_output_tokens": 6, "temperature": 0}
     whole = _create(http, body)
     events = []
     with http.stream("POST", "/v1/responses", json={"model": MODEL, "stream": True,
@@ -160,7 +160,7 @@ def test_stream_sends_openai_events_in_order(http: httpx.Client,
 
 def test_text_format_json_schema_is_structured_output(client: openai.OpenAI) -> None:
     r = client.responses.create(
-        model=MODEL, input="Describe a person as JSON.", max_output_tokens=60,
+        model=MODEL, input="Describe a person as JSON.", max_output_tokens=40,
         temperature=0, text={"format": {"type": "json_schema", "name": "person",
                                         "schema": PERSON}})
     assert r.status == "completed"
