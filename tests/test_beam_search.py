@@ -112,6 +112,10 @@ def test_server_use_beam_search_is_the_offline_search(llm_cache: Any,
             texts[c.index] += c.delta.content or ""
     assert texts == [tok.decode(s.tokens[len(ids):], skip_special_tokens=True)
                      for s in ref.sequences]
+    from tests.test_server import wait_idle
+
+    m = wait_idle(server)  # every round's requests are done: no KV block held
+    assert m["forerun:kv_cache_usage_perc"] == 0.0 and m["forerun:num_requests_running"] == 0
 
 
 @pytest.mark.slow
