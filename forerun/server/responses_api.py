@@ -82,6 +82,11 @@ class ResponseUsage(msgspec.Struct):
         default_factory=OutputTokensDetails)
 
 
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
 class IncompleteDetails(msgspec.Struct):
     reason: str
 
@@ -104,7 +109,7 @@ class ResponseObject(msgspec.Struct):
     instructions: str | None
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     previous_response_id: None = None
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     user: str | None = None
@@ -156,11 +161,22 @@ class _Run:
             usage=usage,
             incomplete_details=IncompleteDetails("max_output_tokens")
             if status == "incomplete" else None,
+            # The engine could not decode this request (finish reason "error").
+            error=ResponseError("server_error", "the engine failed while generating")
+            if status == "failed" else None,
             metadata=dict(body.metadata or {}), user=body.user)
 
 
 def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+    """The response's status for the engine's finish reason."""
+    if finish_reason == "length":
+        return "incomplete"
+    return "failed" if finish_reason == "error" else "completed"
+
+
+def _item_status(status: str) -> str:
+    """A message item's status: an item has no "failed", only an unfinished one."""
+    return "completed" if status == "completed" else "incomplete"
 
 
 def _output_items(plan: ToolPlan, text: str, finish_reason: str | None, status: str
@@ -170,7 +186,7 @@ def _output_items(plan: ToolPlan, text: str, finish_reason: str | None, status: 
     items: list[MessageItem | FunctionCallItem] = []
     if message.content or not message.tool_calls:
         items.append(MessageItem(_item_id("msg"), [OutputText(message.content or "")],
-                                 status=status))
+                                 status=_item_status(status)))
     for call in message.tool_calls:
         items.append(FunctionCallItem(_item_id("fc"), call.id, call.function.name,
                                       call.function.arguments))
@@ -246,7 +262,8 @@ async def _stream(run: _Run, stream: RequestStream, plan: ToolPlan) -> AsyncIter
         status = _status(finish)
         if live:
             part = OutputText(text)
-            item: MessageItem | FunctionCallItem = MessageItem(msg_id, [part], status=status)
+            item: MessageItem | FunctionCallItem = MessageItem(msg_id, [part],
+                                                               _item_status(status))
             yield event("response.output_text.done", item_id=msg_id, output_index=0,
                         content_index=0, text=text, logprobs=[])
             yield event("response.content_part.done", item_id=msg_id, output_index=0,
