@@ -99,3 +99,12 @@ def test_whole_vocabulary_with_max_logprobs_minus_one(hf_smollm2: tuple[Any, Any
     choice = r.json()["choices"][0]
     assert len(choice["logprobs"]["top_logprobs"][0]) >= 25
     assert all(p is None or len(p) == vocab for p in choice["prompt_logprobs"])
+
+
+def test_offline_llm_takes_max_logprobs(llm_cache: Any) -> None:
+    # The offline engine builds its processor from the same EngineConfig field.
+    llm = llm_cache(max_logprobs=3)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=1, logprobs=4), use_tqdm=False)
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=1, logprobs=3), use_tqdm=False)
+    assert len(out[0].outputs[0].logprobs[0]) >= 3

@@ -35,7 +35,7 @@ class LLMEngine:
         self.max_model_len = info.max_model_len
         self._block_hasher = make_block_hasher(config.block_size)
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
-                                   info.eos_token_ids)
+                                   info.eos_token_ids, config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._parallel = ParallelSampling()
 

@@ -109,6 +109,18 @@ class _EngineStatsCollector(Collector):
                       sched.num_preemptions)
         yield counter("wasted_tokens", "Tokens computed and then thrown away.",
                       sched.wasted_tokens)
+        yield counter("spec_decode_num_drafts", "Request-steps that verified drafts.",
+                      sched.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      sched.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      sched.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=[*LABELS, "position"])
+        for pos, n in enumerate(sched.spec_num_accepted_tokens_per_pos):
+            per_pos.add_metric([*labels, str(pos)], n)
+        yield per_pos
         # vLLM's info gauge: constant 1, the KV cache's configuration in its labels.
         info = {**self.cache_info, "num_gpu_blocks": str(kv.num_blocks)}
         names = sorted(info)
