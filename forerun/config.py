@@ -49,6 +49,10 @@ class EngineConfig:
     # "DEVICE[/MODEL]" (e.g. "h100/llama-3-8b"): run the engine with a forward that sleeps
     # for that model's modelled step time on that device (forerun.worker.simulated).
     simulated_device: str | None = None
+    # Data parallel: this many engine cores behind one API server, each with its own share
+    # of the CPU cores (vLLM's name); the rank is set per core by the client.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -63,6 +67,13 @@ class EngineConfig:
         if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be at least 1")
         resolve_async_mode(self.async_scheduling)  # validates
+        if isinstance(self.data_parallel_size, bool) or not isinstance(
+                self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got "
+                             f"{self.data_parallel_size!r}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank!r}")
         from forerun.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.from_dict(self.speculative_config)  # validates
         if self.simulated_device is not None:

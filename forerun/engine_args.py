@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the most logprobs a request may ask for; -1 for the whole vocabulary")
     g.add_argument("--quantization", "-q", default=None,
                    help="gguf (compute with a GGUF's quantized blocks) or int8")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores behind one server, each on its own share of the CPUs")
     g.add_argument("--simulated-device", default=None,
                    help="DEVICE[/MODEL], e.g. h100/llama-3-8b: the forward only sleeps for "
                         "its modelled step time (to measure the host side)")
@@ -67,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         speculative_config=args.speculative_config,
         simulated_device=args.simulated_device,
+        data_parallel_size=args.data_parallel_size,
     )
 
 

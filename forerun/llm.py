@@ -34,7 +34,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: the offline LLM runs one engine; serve "
+                             "with `forerun serve --data-parallel-size N` for more")
+        self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

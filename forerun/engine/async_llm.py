@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from forerun.config import EngineConfig
 from forerun.core.stats import EngineStats
 from forerun.engine.builder import ModelInfo, resolve_model_info
-from forerun.engine.core_client import EngineCoreClient, EngineDeadError
+from forerun.engine.core_client import EngineDeadError, make_core_client
 from forerun.engine.core_messages import CoreFailed, CoreOutputs, StatsReply
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.parallel_sampling import ParallelSampling
@@ -111,7 +111,7 @@ class AsyncLLM:
                  heartbeat_timeout_s: float = 30.0) -> None:
         self.config = config
         self.model_info: ModelInfo = resolve_model_info(config)
-        self.client = EngineCoreClient(config, engine_process)
+        self.client = make_core_client(config, engine_process)
         self.client.start()
         try:
             # Load the tokenizer while the core loads the model.
@@ -132,7 +132,9 @@ class AsyncLLM:
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}
         self._parallel = ParallelSampling()
-        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
+        # call id -> (its future, the replies so far: one per data-parallel engine)
+        self._stats_waiters: dict[int, tuple[asyncio.Future[list[EngineStats]],
+                                             list[StatsReply]]] = {}
         self._call_ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
         self.dead_error: str | None = None
@@ -240,7 +242,8 @@ class AsyncLLM:
                 self.output_processor.add_request(rid, processed.prompt,
                                                   processed.prompt_token_ids, p, arrival)
                 tracked.append(rid)
-                self.client.add_request(rid, processed.prompt_token_ids, p, arrival)
+                self.client.add_request(rid, processed.prompt_token_ids, p, arrival,
+                                        group=request_id if params.n > 1 else None)
                 sent.append(rid)
         except BaseException:
             self._streams.pop(request_id, None)
@@ -300,13 +303,17 @@ class AsyncLLM:
 
     # ----- stats ------------------------------------------------------------------------
     async def get_stats(self, timeout_s: float = 10.0) -> EngineStats:
-        """The engine core's ``stats()`` snapshot, fetched from the core."""
+        """The engine core's ``stats()`` snapshot (engine 0's, with data parallelism)."""
+        return (await self.get_engine_stats(timeout_s))[0]
+
+    async def get_engine_stats(self, timeout_s: float = 10.0) -> list[EngineStats]:
+        """Every engine core's ``stats()`` snapshot, by data-parallel rank."""
         self._ensure_handler()
         if self.is_dead:
             raise EngineDeadError(self.dead_error or self.client.death_message())
         call_id = next(self._call_ids)
-        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[call_id] = fut
+        fut: asyncio.Future[list[EngineStats]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[call_id] = (fut, [])
         try:
             self.client.request_stats(call_id)
             return await asyncio.wait_for(fut, timeout_s)
@@ -341,9 +348,14 @@ class AsyncLLM:
         if isinstance(msg, CoreOutputs):
             self._process_outputs(msg)
         elif isinstance(msg, StatsReply):
-            fut = self._stats_waiters.pop(msg.call_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg.stats)
+            waiter = self._stats_waiters.get(msg.call_id)
+            if waiter is None:
+                return
+            fut, replies = waiter
+            replies.append(msg)
+            if len(replies) == self.client.num_engines and not fut.done():
+                del self._stats_waiters[msg.call_id]
+                fut.set_result([r.stats for r in sorted(replies, key=lambda r: r.engine_index)])
         elif isinstance(msg, CoreFailed):
             logger.error("engine core failed:\n%s", msg.traceback)
             self._die(f"engine core failed: {msg.error}")
@@ -377,7 +389,7 @@ class AsyncLLM:
         self.dead_error = message
         err = EngineDeadError(message)
         self.fail_all(err)
-        for fut in self._stats_waiters.values():
+        for fut, _ in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(err)
         if self.on_dead is not None:

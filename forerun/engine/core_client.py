@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -19,6 +20,7 @@ from forerun.engine.core_messages import (
     AbortRequests,
     AddRequest,
     CoreInput,
+    CoreOutputs,
     GetStats,
     Ready,
     Shutdown,
@@ -148,8 +150,15 @@ class EngineCoreClient:
     def _send(self, msg: CoreInput) -> None:
         self._in.send(input_encoder.encode(msg), zmq.NOBLOCK)
 
+    @property
+    def num_engines(self) -> int:
+        return 1
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float,
+                    group: str | None = None) -> None:
+        """``group``: requests that should share an engine (the children of one n > 1
+        request); meaningful only to :class:`DPEngineCoreClient`."""
         if not self.is_alive():
             raise EngineDeadError(self.death_message())
         self._send(AddRequest(request_id, prompt_token_ids, params, arrival_time))
@@ -177,3 +186,120 @@ class EngineCoreClient:
             except zmq.Again:
                 return msgs
             msgs.append(output_decoder.decode(raw))
+
+
+class DPEngineCoreClient:
+    """``data_parallel_size`` engine cores behind one frontend (data parallelism).
+
+    Each core is a full :class:`EngineCoreClient` with its own process, sockets, CPUs and
+    KV cache. A request goes to the core with the fewest requests in flight (what waits and
+    runs there, as this side counts it), the children of one ``n > 1`` request to the same
+    core (they share the prompt's KV blocks); aborts follow the request to its core. Output
+    messages of all cores are merged; a stats request is answered once per core.
+    """
+
+    def __init__(self, config: EngineConfig, engine_process: bool = True) -> None:
+        self.clients = [EngineCoreClient(dataclasses.replace(config, data_parallel_rank=i),
+                                         engine_process)
+                        for i in range(config.data_parallel_size)]
+        self.load = [0] * len(self.clients)
+        self._owner: dict[str, int] = {}
+        self._groups: dict[str, tuple[int, int]] = {}  # group -> (engine, requests left)
+        self._group_of: dict[str, str] = {}
+        self._poller: zmq.asyncio.Poller | None = None
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.clients)
+
+    def start(self) -> None:
+        for c in self.clients:
+            c.start()
+
+    def wait_ready(self, timeout_s: float = 900.0) -> Ready:
+        readies = [c.wait_ready(timeout_s) for c in self.clients]
+        # Every core has the same KV budget; take the smallest limit all the same.
+        return min(readies, key=lambda r: r.max_model_len)
+
+    def is_alive(self) -> bool:
+        return all(c.is_alive() for c in self.clients)
+
+    def death_message(self) -> str:
+        for i, c in enumerate(self.clients):
+            if not c.is_alive():
+                return f"data-parallel engine {i}: {c.death_message()}"
+        return "engine core stopped unexpectedly"
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        for c in self.clients:
+            c.shutdown(timeout_s)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float,
+                    group: str | None = None) -> None:
+        if group is not None and group in self._groups:
+            i, left = self._groups[group]
+        else:
+            i = min(range(len(self.clients)), key=self.load.__getitem__)
+            left = 0
+        self.clients[i].add_request(request_id, prompt_token_ids, params, arrival_time)
+        self._owner[request_id] = i
+        self.load[i] += 1
+        if group is not None:
+            self._groups[group] = (i, left + 1)
+            self._group_of[request_id] = group
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            i = self._owner.get(rid)
+            if i is not None:
+                by_engine.setdefault(i, []).append(rid)
+        for i, ids in by_engine.items():
+            self.clients[i].abort_requests(ids)
+            for rid in ids:
+                self._finished(rid)
+
+    def _finished(self, request_id: str) -> None:
+        i = self._owner.pop(request_id, None)
+        if i is None:
+            return
+        self.load[i] -= 1
+        group = self._group_of.pop(request_id, None)
+        if group is not None:
+            engine, left = self._groups[group]
+            if left <= 1:
+                del self._groups[group]
+            else:
+                self._groups[group] = (engine, left - 1)
+
+    def request_stats(self, call_id: int) -> None:
+        for c in self.clients:
+            c.request_stats(call_id)
+
+    async def recv_messages(self, timeout_ms: int) -> list[Any]:
+        """Every message waiting on any core, after waiting up to ``timeout_ms``."""
+        if self._poller is None:
+            self._poller = zmq.asyncio.Poller()
+            for c in self.clients:
+                c._aout = zmq.asyncio.Socket.from_socket(c._out)
+                self._poller.register(c._aout, zmq.POLLIN)
+        if not await self._poller.poll(timeout_ms):
+            return []
+        msgs: list[Any] = []
+        for c in self.clients:
+            msgs += await c.recv_messages(0)
+        for msg in msgs:
+            if isinstance(msg, CoreOutputs):
+                for w in msg.outputs:
+                    if w.finish_reason is not None:
+                        self._finished(w.request_id)
+        return msgs
+
+
+def make_core_client(config: EngineConfig, engine_process: bool = True
+                     ) -> EngineCoreClient | DPEngineCoreClient:
+    """One engine core, or ``data_parallel_size`` of them behind one client."""
+    if config.data_parallel_size > 1:
+        return DPEngineCoreClient(config, engine_process)
+    return EngineCoreClient(config, engine_process)

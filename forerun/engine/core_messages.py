@@ -82,6 +82,7 @@ class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
 class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True):
     call_id: int
     stats: EngineStats
+    engine_index: int = 0  # the core's data-parallel rank
 
 
 class CoreFailed(msgspec.Struct, tag="core_failed", array_like=True):

@@ -14,6 +14,7 @@ import traceback
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from forerun.config import EngineConfig
@@ -54,6 +55,7 @@ class EngineCoreProc:
         self.out_sock = out_sock
         self.parent_pid = parent_pid
         self.block_hasher = make_block_hasher(config.block_size)
+        self.engine_index = config.data_parallel_rank
         # Requests whose first scheduling time has not been reported yet.
         self.unreported: dict[str, Request] = {}
         self.running = True
@@ -116,7 +118,7 @@ class EngineCoreProc:
                 self.unreported.pop(rid, None)
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, GetStats):
-            self._send(StatsReply(msg.call_id, self.core.stats()))
+            self._send(StatsReply(msg.call_id, self.core.stats(), self.engine_index))
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -143,6 +145,16 @@ class EngineCoreProc:
         self.last_sent = time.monotonic()
 
 
+def _take_cpu_share(rank: int, size: int) -> None:
+    """Pin this data-parallel engine to its own CPUs and size torch's team to them, so that
+    ``size`` engines on one machine do not fight over the same cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = cpus[rank::size] or cpus  # more engines than CPUs: share them all
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    logger.info("data-parallel rank %d of %d on CPUs %s", rank, size, mine)
+
+
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int | None, in_process: bool = False) -> None:
     """Entry point of the core process (or thread): build the core, report, loop."""
@@ -153,6 +165,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         # process decides when we stop (after draining), and we exit if it dies.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if config.data_parallel_size > 1:
+            _take_cpu_share(config.data_parallel_rank, config.data_parallel_size)
     ctx = zmq.Context.instance() if in_process else zmq.Context()
     in_sock = ctx.socket(zmq.PULL)
     out_sock = ctx.socket(zmq.PUSH)

@@ -188,7 +188,7 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     async def prometheus_metrics() -> Response:
         if engine.health() is None:
             try:
-                metrics.update_engine_stats(await engine.get_stats(timeout_s=5.0))
+                metrics.update_engine_stats(await engine.get_engine_stats(timeout_s=5.0))
             except (TimeoutError, RuntimeError) as exc:
                 logger.warning("could not refresh engine stats: %s", exc)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

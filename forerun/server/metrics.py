@@ -72,18 +72,27 @@ class _EngineStatsCollector(Collector):
     """The latest engine-core stats snapshot as gauges and counters (unprefixed)."""
 
     def __init__(self, model_name: str, cache_info: Mapping[str, str]) -> None:
-        self.labels = [model_name, ENGINE_INDEX]
+        self.model_name = model_name
         self.cache_info = dict(cache_info)
-        # None until the first scrape has fetched a snapshot.
-        self.stats: EngineStats | None = None
+        # Empty until the first scrape has fetched a snapshot; one per data-parallel engine.
+        self.stats: list[EngineStats] = []
 
     def describe(self) -> Iterable[Metric]:
         return []  # nothing to check for clashes: collect() is empty until the first scrape
 
     def collect(self) -> Iterator[Metric]:
-        if self.stats is None:
-            return
-        sched, kv, labels = self.stats.scheduler, self.stats.kv_cache, self.labels
+        # One family per metric, one sample per engine (label engine="<rank>").
+        families: dict[str, Metric] = {}
+        for index, stats in enumerate(self.stats):
+            for fam in self._collect_one(stats, [self.model_name, str(index)]):
+                if fam.name in families:
+                    families[fam.name].samples += fam.samples
+                else:
+                    families[fam.name] = fam
+        yield from families.values()
+
+    def _collect_one(self, stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+        sched, kv = stats.scheduler, stats.kv_cache
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -122,7 +131,7 @@ class _EngineStatsCollector(Collector):
             per_pos.add_metric([*labels, str(pos)], n)
         yield per_pos
         # vLLM's info gauge: constant 1, the KV cache's configuration in its labels.
-        info = {**self.cache_info, "num_gpu_blocks": str(kv.num_blocks)}
+        info = {**self.cache_info, "num_gpu_blocks": str(kv.num_blocks), "engine": labels[1]}
         names = sorted(info)
         g = GaugeMetricFamily("cache_config_info", "Information of the KV cache's config.",
                               labels=names)
@@ -298,8 +307,9 @@ class ServerMetrics:
         self._last_token_time.pop(request_id, None)
         self.request_success.labels(*self._labels, "abort").inc()
 
-    def update_engine_stats(self, stats: EngineStats) -> None:
-        self.engine.stats = stats
+    def update_engine_stats(self, stats: list[EngineStats]) -> None:
+        """The latest snapshots, one per data-parallel engine (rank order)."""
+        self.engine.stats = list(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

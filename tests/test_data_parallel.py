@@ -1,0 +1,102 @@
+"""``forerun serve --data-parallel-size 2``: two engine cores behind one API server.
+
+Oracles: the offline engine (float32, like the servers) for every completion; the
+per-engine series of /metrics (Prometheus text parser) for where the work went; the process
+table for a clean exit when one engine dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from forerun import LLM, SamplingParams
+from tests.server_harness import child_pids, pid_alive, start_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):",
+           "Three fruits: apple,", "Water boils at", "The largest planet is"]
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    pids = []
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                pids.append(pid)
+    return pids
+
+
+def per_engine(text: str, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                out[s.labels["engine"]] = s.value
+    return out
+
+
+def test_two_engines_share_the_requests_and_answer_like_one(llm_cache):
+    server = start_server("--data-parallel-size", "2", fresh=True)
+    server.wait_healthy()
+    try:
+        want = [o.outputs[0].text for o in llm_cache().generate(
+            PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)]
+
+        def complete(prompt: str) -> str:
+            r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+            r.raise_for_status()
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(complete, PROMPTS))
+        assert got == want
+        # n > 1: the children go to one engine together (they share the prompt's blocks).
+        r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 0})
+        assert [c["text"] for c in r.json()["choices"]] == [want[0][: len(c["text"])]
+                                                            for c in r.json()["choices"]]
+        text = httpx.get(f"{server.base_url}/metrics").text
+        queries = per_engine(text, "vllm:prefix_cache_queries_total")
+        assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries
+        assert set(per_engine(text, "vllm:num_requests_running")) == {"0", "1"}
+        # Each engine pins itself to its own share of the CPUs.
+        cpus = [os.sched_getaffinity(pid) for pid in engine_pids(server.proc.pid)]
+        assert len(cpus) == 2
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert not cpus[0] & cpus[1], cpus
+    finally:
+        server.stop()
+
+
+def test_one_engine_dying_stops_the_server_and_every_engine():
+    server = start_server("--data-parallel-size", "2", "--max-model-len", "256", fresh=True)
+    server.wait_healthy()
+    pids = engine_pids(server.proc.pid)
+    assert len(pids) == 2
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.proc.poll() is None:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.1)
+    assert server.proc.returncode == 1
+    deadline = time.monotonic() + 15
+    while pid_alive(pids[0]):
+        assert time.monotonic() < deadline, "engine 0 outlived its server"
+        time.sleep(0.1)
+
+
+def test_bad_data_parallel_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(data_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size.*forerun serve"):
+        LLM(data_parallel_size=2)
