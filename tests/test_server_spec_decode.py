@@ -1,5 +1,6 @@
 """``forerun serve --speculative-config``: the same greedy text through the OpenAI API,
-streamed or not, and vLLM's spec-decode counters on /metrics.
+streamed or not, and vLLM's spec-decode counters on /metrics (and, on the same server,
+vLLM's waiting-by-reason gauge).
 
 Oracles: the offline engine without drafts (float32, like the server) for the text; the
 Prometheus text parser for the counters, which must grow with each request.
@@ -67,3 +68,10 @@ def test_completions_with_drafts_equal_the_offline_text(server, llm_cache):
     per_pos = sum(v for k, v in after.items()
                   if k.startswith("forerun:spec_decode_num_accepted_tokens_per_pos_total@"))
     assert per_pos == accepted
+
+
+def test_waiting_requests_by_reason_are_exported(server):
+    text = httpx.get(f"{server.base_url}/metrics").text
+    reasons = {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples if s.name == "vllm:num_requests_waiting_by_reason"}
+    assert reasons == {"capacity": 0.0, "deferred": 0.0}

@@ -42,3 +42,30 @@ def test_stats_parts_count_what_happened_and_survive_the_wire():
     as_dict = stats.to_dict()
     assert as_dict["scheduler"]["wasted_tokens"] == 1
     assert as_dict["kv_cache"]["num_blocks"] == 16
+
+
+def test_waiting_requests_are_split_by_reason():
+    # max_num_seqs=1: the second request waits for capacity.
+    h = Harness(async_scheduling=True, depth=2, num_blocks=32, block_size=BS, max_num_seqs=1)
+    h.add(make_request("a", list(range(8)), 6, BS))
+    h.add(make_request("b", list(range(20, 28)), 6, BS))
+    h.step()
+    s = h.engine.stats().scheduler
+    assert (s.num_waiting_reqs, s.num_waiting_reqs_deferred) == (1, 0)
+    h.run_until_idle()
+    # A preemption with a step in flight: the victim waits, deferred, until that step's
+    # (stale) output is delivered, whatever room there is.
+    h = Harness(async_scheduling=True, depth=2, num_blocks=7, block_size=BS)
+    seen: list[tuple[int, int]] = []
+
+    def after_schedule(so) -> None:
+        if so.preempted_req_ids:
+            st = h.scheduler.make_stats()
+            stale = sum(1 for r in h.scheduler.waiting if r.num_stale_output_tokens)
+            seen.append((st.num_waiting_reqs_deferred, stale))
+    h.on_schedule.append(after_schedule)
+    h.add(make_request("a", list(range(10)), 12, BS))
+    h.add(make_request("b", list(range(40, 50)), 12, BS))
+    h.run_until_idle()
+    h.assert_all_released()
+    assert seen and all(d == stale for d, stale in seen) and any(d > 0 for d, _ in seen)

@@ -135,6 +135,10 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs_deferred=sum(
+                1 for r in self.waiting
+                if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                or r.num_stale_output_tokens > 0),
             steps=c.steps,
             num_preemptions=c.num_preemptions,
             wasted_tokens=c.wasted_tokens,

@@ -16,6 +16,10 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
 
     num_running_reqs: int
     num_waiting_reqs: int
+    # Waiting requests that could not run even with room to spare (vLLM's "deferred"
+    # reason): a grammar still compiling, or stale output of a preemption in flight. The
+    # rest wait for capacity (KV blocks, the token budget, max_num_seqs).
+    num_waiting_reqs_deferred: int = 0
     # Non-empty steps scheduled.
     steps: int
     num_preemptions: int

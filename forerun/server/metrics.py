@@ -108,6 +108,15 @@ class _EngineStatsCollector(Collector):
                     sched.num_running_reqs)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
                     sched.num_waiting_reqs)
+        by_reason = GaugeMetricFamily(
+            "num_requests_waiting_by_reason",
+            "Waiting requests by reason: capacity (KV blocks, budget, max_num_seqs) or "
+            "deferred (a grammar compiling, a preemption's output in flight).",
+            labels=[*LABELS, "reason"])
+        deferred = sched.num_waiting_reqs_deferred
+        by_reason.add_metric([*labels, "capacity"], sched.num_waiting_reqs - deferred)
+        by_reason.add_metric([*labels, "deferred"], deferred)
+        yield by_reason
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
                     kv.usage)
         yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",
