@@ -85,7 +85,11 @@ def _write_tiny_gguf(path: Path, qtype: GT, tied: bool, seed: int) -> None:
     w.add_eos_token_id(3)
 
     def mat(name: str, n: int, k: int) -> None:
-        q = quantize((0.15 * rng.standard_normal((n, k))).astype(np.float32), qtype)
+        arr = (0.15 * rng.standard_normal((n, k))).astype(np.float32)
+        if qtype == GT.F32:
+            w.add_tensor(name, arr)
+            return
+        q = quantize(arr, qtype)
         w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
 
     def norm(name: str, n: int) -> None:
@@ -157,6 +161,16 @@ def test_tiny_gguf_model_computes_with_its_blocks(tmp_path: Path, monkeypatch, q
     assert (got - want).abs().max() < 0.05 * scale
     # ...and every path computes the same function as the torch one.
     assert (got - ref).abs().max() < 2e-3 * scale
+
+
+@pytest.mark.usefixtures("private_model_cache")
+def test_gguf_quantization_needs_quantized_linears(tmp_path: Path) -> None:
+    file = tmp_path / "f32.gguf"
+    _write_tiny_gguf(file, GT.F32, tied=True, seed=1)
+    source = resolve_model(str(file))
+    with pytest.raises(ModelLoadError, match="quantization='gguf'.*Q8_0, Q4_0 or Q4_1"):
+        load_model(source, load_model_config(source), torch.float32, CPU,
+                   quantization="gguf")
 
 
 def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path) -> None:
