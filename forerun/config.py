@@ -53,6 +53,8 @@ class EngineConfig:
     # of the CPU cores (vLLM's name); the rank is set per core by the client.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Tensor parallel: each engine's model split over this many processes (vLLM's name).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -71,6 +73,12 @@ class EngineConfig:
                 self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got "
                              f"{self.data_parallel_size!r}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+                self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.simulated_device is not None:
+            raise ValueError("tensor_parallel_size: the simulated device runs one process")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_rank!r}")

@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the most logprobs a request may ask for; -1 for the whole vocabulary")
     g.add_argument("--quantization", "-q", default=None,
                    help="gguf (compute with a GGUF's quantized blocks) or int8")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split each engine's model over this many processes (torch.distributed)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind one server, each on its own share of the CPUs")
     g.add_argument("--simulated-device", default=None,
@@ -70,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=args.speculative_config,
         simulated_device=args.simulated_device,
         data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

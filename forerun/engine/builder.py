@@ -14,6 +14,7 @@ from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
 from forerun.core.kv_cache_manager import KVCacheManager
 from forerun.core.scheduler import Scheduler, SchedulerConfig
+from forerun.distributed.tensor_parallel import check_tensor_parallel
 from forerun.engine.core import EngineCore
 from forerun.model.config import ModelConfig
 from forerun.model.loader import load_model, load_model_config, load_tokenizer
@@ -24,6 +25,7 @@ from forerun.structured.manager import StructuredOutputManager
 from forerun.trace import Tracer
 from forerun.worker.executor import Executor
 from forerun.worker.model_runner import ModelRunner
+from forerun.worker.multiproc_executor import MultiprocExecutor
 from forerun.worker.simulated import SimulatedModelRunner, parse_simulated_device
 
 logger = logging.getLogger(__name__)
@@ -143,6 +145,11 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
                            vocab_size=mc.vocab_size, speculative_config=spec_config)
 
-    executor = Executor(make_runner)
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(mc, config.tensor_parallel_size)
+        executor: Executor | MultiprocExecutor = MultiprocExecutor(
+            config, info, num_blocks, tracer, spec_config)
+    else:
+        executor = Executor(make_runner)
     logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, bs, dtype)
     return EngineCore(scheduler, executor, depth, tracer, async_scheduling=async_on)

@@ -165,7 +165,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         # process decides when we stop (after draining), and we exit if it dies.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if config.data_parallel_size > 1:
+        if config.data_parallel_size > 1 and config.tensor_parallel_size == 1:
             _take_cpu_share(config.data_parallel_rank, config.data_parallel_size)
     ctx = zmq.Context.instance() if in_process else zmq.Context()
     in_sock = ctx.socket(zmq.PULL)

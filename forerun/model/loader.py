@@ -12,6 +12,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from forerun.distributed.parallel_state import TensorParallelGroup
+from forerun.distributed.tensor_parallel import shard_model
 from forerun.model.base import CausalLM
 from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
@@ -124,11 +126,12 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
 
 def load_model(
     source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-    quantization: str | None = None,
+    quantization: str | None = None, tensor_parallel: TensorParallelGroup | None = None,
 ) -> CausalLM:
     """Build the model for ``config`` on ``device`` in ``dtype`` and load its weights;
     ``quantization`` (None, "gguf" or "int8": :mod:`forerun.model.quant`) picks how the
-    linear weights are held."""
+    linear weights are held; with ``tensor_parallel`` the model keeps this rank's share
+    (:mod:`forerun.distributed.tensor_parallel`)."""
     quantization = validate_quantization(quantization)
     cls = get_model_class(config.architecture)
     # Build on the meta device so no time is spent on random init that weights overwrite.
@@ -147,6 +150,11 @@ def load_model(
         if entry is not None:
             entry.save_weights(model)
     model.eval()
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        if quantization is not None:
+            raise ValueError("tensor_parallel_size > 1 runs unquantized weights only; "
+                             f"got quantization={quantization!r}")
+        shard_model(model, tensor_parallel)
     if quantization == "int8":
         logger.info("quantization=int8: %d linear weights quantized per output channel",
                     apply_int8(model))

@@ -1,0 +1,90 @@
+"""Tensor parallelism for the Llama family, applied to a loaded model in place.
+
+Each rank keeps its share of the attention heads and of the MLP's intermediate columns:
+the fused q/k/v and gate/up projections are split by output rows (column parallel, no
+communication), o_proj and down_proj by input columns (row parallel), each followed by one
+all-reduce, so a layer costs two all-reduces. KV heads are split with the query heads, so
+each rank's KV cache holds only its heads. The embedding and the output head are kept
+whole on every rank (they are a small part of the models this runs on a CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from forerun.distributed.parallel_state import TensorParallelGroup
+
+
+class RowParallel(nn.Module):
+    """A linear over this rank's input columns, summed over the ranks, then the bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                device=weight.device, dtype=weight.dtype)
+        self.linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(self.linear(x).contiguous())
+        return y if self.bias is None else y + self.bias
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """Refuse sizes the model cannot be split by, naming the flag."""
+    for what, n in (("num_attention_heads", config.num_attention_heads),
+                    ("num_key_value_heads", config.num_key_value_heads),
+                    ("intermediate_size", config.intermediate_size)):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                             f"{what} ({n}); choose a divisor of it")
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                    device=weight.device, dtype=weight.dtype)
+    lin.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return lin
+
+
+def shard_model(model: nn.Module, group: TensorParallelGroup) -> None:
+    """Keep this rank's share of every layer (see the module docstring); before prepack."""
+    size, rank = group.size, group.rank
+    check_tensor_parallel(model.config, size)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        d = attn.head_dim
+        hq, hkv = attn.num_heads // size, attn.num_kv_heads // size
+        q_size, kv_size = attn.q_size, attn.kv_size
+        rows = [torch.arange(rank * hq * d, (rank + 1) * hq * d),
+                q_size + torch.arange(rank * hkv * d, (rank + 1) * hkv * d),
+                q_size + kv_size + torch.arange(rank * hkv * d, (rank + 1) * hkv * d)]
+        idx = torch.cat(rows)
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        attn.qkv_proj = _linear(w[idx], None if b is None else b[idx])
+        attn.num_heads, attn.num_kv_heads = hq, hkv
+        attn.q_size, attn.kv_size = hq * d, hkv * d
+        o = attn.o_proj
+        attn.o_proj = RowParallel(o.weight[:, rank * hq * d:(rank + 1) * hq * d], o.bias,
+                                  group)
+        mlp = layer.mlp
+        inter = mlp.intermediate_size // size
+        gu = mlp.gate_up_proj.weight
+        full = mlp.intermediate_size
+        mlp.gate_up_proj = _linear(torch.cat([gu[rank * inter:(rank + 1) * inter],
+                                              gu[full + rank * inter: full + (rank + 1) * inter]]),
+                                   None)
+        mlp.intermediate_size = inter
+        dw = mlp.down_proj.weight
+        mlp.down_proj = RowParallel(dw[:, rank * inter:(rank + 1) * inter], None, group)
+    # The one-call small-batch path has no all-reduce between its layers.
+    model.small_batch.available = False

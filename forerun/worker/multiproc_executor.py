@@ -1,0 +1,170 @@
+"""Tensor parallel execution: rank 0 on the engine's worker thread, one process per other rank.
+
+Every call the engine makes (``execute_model``, ``sample_tokens``) is broadcast to all ranks
+before rank 0 runs it, so every rank runs the same steps in the same order; the model's
+all-reduces meet inside the forward. Every rank samples (same seeds, same keys), so each
+holds the sampled ids its next step's input needs; only rank 0's output goes back to the
+scheduler. A rank that dies makes the next collective fail within the collective timeout,
+which fails the step and stops the engine; ranks exit when their parent goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from forerun.config import EngineConfig
+from forerun.core.output import ModelRunnerOutput, SchedulerOutput
+from forerun.distributed.parallel_state import (
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    free_port,
+    init_tensor_parallel,
+)
+from forerun.model.loader import load_model
+from forerun.spec_decode.config import SpeculativeConfig
+from forerun.trace import Tracer
+from forerun.worker.cpu_threads import CallerThreadsGuard
+from forerun.worker.executor import _ResolvedFuture, worker_thread
+from forerun.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN = "shutdown"
+
+
+def take_cpu_share(index: int, count: int) -> list[int]:
+    """Pin this process to its share of the CPUs (``index`` of ``count`` shares) and size
+    torch's thread team to it; returns the CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = cpus[index::count] or cpus  # more shares than CPUs: share them all
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return mine
+
+
+def _build_runner(config: EngineConfig, info: Any, num_blocks: int,
+                  group: TensorParallelGroup, tracer: Tracer | None,
+                  spec_config: SpeculativeConfig | None) -> ModelRunner:
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(device)
+    mc = info.model_config
+    model = load_model(info.source, mc, dtype, device, config.quantization, group)
+    return ModelRunner(model, num_blocks, config.block_size,
+                       mc.num_key_value_heads // group.size, mc.head_dim,
+                       mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
+                       vocab_size=mc.vocab_size, speculative_config=spec_config)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int, size: int,
+               addr: str, port: int, parent_pid: int,
+               spec_config: SpeculativeConfig | None) -> None:
+    """A rank other than 0: join the group, load its shard, then run what rank 0 sends."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [tp-rank-{rank}] %(name)s: "
+                               "%(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    take_cpu_share(config.data_parallel_rank * size + rank, config.data_parallel_size * size)
+    torch.manual_seed(config.seed)  # the same unseeded keys as rank 0
+    group = init_tensor_parallel(rank, size, addr, port, config.resolve_device())
+    runner = _build_runner(config, info, num_blocks, group, None, spec_config)
+    try:
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            method, args = box[0]
+            if method == _SHUTDOWN:
+                return
+            with torch.inference_mode():
+                getattr(runner, method)(*args)
+    finally:
+        destroy_tensor_parallel()
+
+
+class MultiprocExecutor:
+    """The :class:`forerun.worker.executor.Executor` interface over ``tensor_parallel_size``
+    ranks (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, info: Any, num_blocks: int, tracer: Tracer,
+                 spec_config: SpeculativeConfig | None) -> None:
+        size = config.tensor_parallel_size
+        self._threads_guard = CallerThreadsGuard()
+        self._pool = worker_thread()
+        self._closed = False
+        addr, port = "127.0.0.1", free_port()
+        ctx = multiprocessing.get_context("spawn")
+        self._procs = [
+            ctx.Process(target=_rank_main, name=f"forerun-tp-rank-{r}", daemon=True,
+                        args=(config, info, num_blocks, r, size, addr, port, os.getpid(),
+                              spec_config))
+            for r in range(1, size)]
+        for p in self._procs:
+            p.start()
+
+        def init_rank0() -> ModelRunner:
+            # The worker thread runs every collective of this process.
+            take_cpu_share(config.data_parallel_rank * size, config.data_parallel_size * size)
+            group = init_tensor_parallel(0, size, addr, port, config.resolve_device())
+            return _build_runner(config, info, num_blocks, group, tracer, spec_config)
+
+        try:
+            self.runner: ModelRunner = self._pool.submit(init_rank0).result()
+        except BaseException:
+            self._kill_ranks()
+            raise
+        logger.info("tensor parallel: %d ranks (pids %s)", size,
+                    [os.getpid(), *(p.pid for p in self._procs)])
+
+    def _call(self, method: str, *args: Any) -> Any:
+        dist.broadcast_object_list([(method, args)], src=0)
+        return getattr(self.runner, method)(*args)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
+        return self._pool.submit(self._call, "execute_model", scheduler_output)
+
+    def sample_tokens(self, grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
+        return _ResolvedFuture(self._pool.submit(self._call, "sample_tokens", grammar_bitmask))
+
+    def shutdown(self) -> None:
+        """Stop every rank (politely, then by force); no process outlives this."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def stop() -> None:
+            try:
+                if all(p.is_alive() for p in self._procs):
+                    dist.broadcast_object_list([(_SHUTDOWN, ())], src=0)
+            finally:
+                destroy_tensor_parallel()
+        try:
+            self._pool.submit(stop).result(timeout=30)
+        except Exception as exc:
+            logger.warning("tensor-parallel shutdown: %s", exc)
+        self._kill_ranks()
+        self._threads_guard.restore()
+
+    def _kill_ranks(self) -> None:
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)

@@ -1,0 +1,109 @@
+"""Tensor parallel over torch.distributed (gloo): the same tokens as one process.
+
+Oracle: the single-process engine on the same weights (float32), token for token, for
+greedy and seeded requests, sync and async, with preemption under KV pressure; plus the
+process table (no rank outlives its engine) and the error a bad size gives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from forerun import LLM, SamplingParams
+from tests.conftest import assert_all_blocks_free
+from tests.server_harness import child_pids, pid_alive
+from tests.tiny_model import write_tiny_llama
+
+PROMPTS = [[5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1], [9, 8, 7, 6, 5, 9, 8],
+           [100, 200, 300, 10, 20, 30, 40, 50, 60, 70, 80, 90, 11], [44, 45, 46]]
+PARAMS = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=20, temperature=0.9, seed=5, ignore_eos=True),
+          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=9, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_tp")
+    write_tiny_llama(folder, seed=7)  # 4 heads, 2 KV heads, intermediate 128
+    return folder
+
+
+def run(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def rank_pids() -> list[int]:
+    pids = []
+    for pid in child_pids(os.getpid()):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                pids.append(pid)
+    return pids
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_two_ranks_give_the_tokens_of_one_process(tiny_dir, mode):
+    kw = dict(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4,
+              async_scheduling=mode)
+    one = LLM(**kw)
+    want = run(one)
+    one.shutdown()
+    # A small pool: requests preempt each other, so resumed rows are rebuilt on every rank.
+    two = LLM(tensor_parallel_size=2, num_gpu_blocks_override=14, **kw)
+    try:
+        assert run(two) == want
+        assert two.stats().scheduler.num_preemptions > 0
+        assert_all_blocks_free(two)
+        assert len(rank_pids()) == 1
+    finally:
+        two.shutdown()
+    assert rank_pids() == []
+
+
+@pytest.mark.slow
+def test_default_model_split_three_ways_gives_the_same_tokens(llm_cache):
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in llm_cache().generate(prompts, params,
+                                                                 use_tqdm=False)]
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512,
+              tensor_parallel_size=3)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
+def test_a_size_the_model_cannot_split_by_is_refused_before_any_process_starts(tiny_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        LLM(model=str(tiny_dir), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(model=str(tiny_dir), tensor_parallel_size=0)
+    assert rank_pids() == []
+
+
+def test_a_dead_rank_is_an_error_not_a_hang_and_leaves_no_process(tiny_dir):
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4,
+              tensor_parallel_size=2)
+    try:
+        (pid,) = rank_pids()
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - gloo's error type varies by cause
+            run(llm)
+        assert time.monotonic() - start < 90
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 15
+    while pid_alive(pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert rank_pids() == []
