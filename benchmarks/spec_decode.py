@@ -95,9 +95,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--random-prompts", type=int, default=8)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative_config.disable_by_batch_size")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    spec: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.k}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     rows = []
     for c in args.concurrency:
         engines = {(drafts, mode): LLM(

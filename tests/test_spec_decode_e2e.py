@@ -219,3 +219,15 @@ def test_the_trace_shows_accepted_drafts_per_position(tiny_dir, tmp_path):
         assert sum(e["args"].get(f"accepted@{j}", 0) for e in events) == accepted
     assert sum(e["args"].get(f"drafted@{j}", 0) for e in events
                for j in range(K)) == stats.spec_num_draft_tokens
+
+
+def test_disable_by_batch_size_stops_drafting_while_the_batch_is_larger(tiny_dir):
+    base = engine(tiny_dir, async_scheduling="off")
+    spec = engine(tiny_dir, async_scheduling="on", speculative_config={
+        **METHODS["ngram"], "disable_by_batch_size": 1})
+    before = spec.stats().scheduler.spec_num_draft_tokens
+    assert run(spec, greedy(30)) == run(base, greedy(30))  # four at once: no drafts
+    assert spec.stats().scheduler.spec_num_draft_tokens == before
+    alone = spec.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(30), use_tqdm=False)
+    assert spec.stats().scheduler.spec_num_draft_tokens > before  # one alone: drafts
+    assert alone[0].outputs[0].token_ids == run(base, greedy(30))[1]

@@ -31,6 +31,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # No drafts while more requests than this run (vLLM's name): where a step's cost grows
+    # with its tokens (a CPU at a few requests), verifying drafts costs more than it saves.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,6 +48,8 @@ class SpeculativeConfig:
                    1, 1024)
         _check_int("suffix_decoding_max_cached_requests",
                    self.suffix_decoding_max_cached_requests, 0, 1 << 30)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 30)
         for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:

@@ -442,7 +442,12 @@ class ModelRunner:
         result = verify(self.sampler, logits, meta, step.drafts, accept_u)
         self.sampling_state.record_sample_runs(states, result.token_ids)
         out = _make_output(step.req_ids, [], [])
-        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        cfg = self.speculative_config
+        assert cfg is not None
+        k = cfg.num_speculative_tokens
+        # vLLM's disable_by_batch_size: no drafts while more requests than that run.
+        drafting = (cfg.disable_by_batch_size is None
+                    or len(self.requests) <= cfg.disable_by_batch_size)
         for state, drafts, ids in zip(states, step.drafts, result.token_ids, strict=True):
             out.sampled_token_ids[out.req_id_to_index[state.req_id]] = ids
             # Positions of rejected drafts hold KV that later steps overwrite.
@@ -456,7 +461,7 @@ class ModelRunner:
                 limit = min(k, limit + 2) if len(ids) > len(drafts) else max(1, limit - 1)
             state.num_draft_limit = limit
             state.spec_token_ids = []
-            if k and supports_spec_decode(state.sampling_params):
+            if drafting and supports_spec_decode(state.sampling_params):
                 state.spec_token_ids = self.drafter.propose(state.req_id, state.token_ids,
                                                             limit)
                 out.num_next_draft_tokens[state.req_id] = len(state.spec_token_ids)
