@@ -44,7 +44,7 @@ def per_engine(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def test_two_engines_share_the_requests_and_answer_like_one(llm_cache):
+def test_two_engines_share_the_requests_answer_like_one_and_stop_together(llm_cache):
     server = start_server("--data-parallel-size", "2", fresh=True)
     server.wait_healthy()
     try:
@@ -70,29 +70,24 @@ def test_two_engines_share_the_requests_and_answer_like_one(llm_cache):
         assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries
         assert set(per_engine(text, "vllm:num_requests_running")) == {"0", "1"}
         # Each engine pins itself to its own share of the CPUs.
-        cpus = [os.sched_getaffinity(pid) for pid in engine_pids(server.proc.pid)]
+        pids = engine_pids(server.proc.pid)
+        cpus = [os.sched_getaffinity(pid) for pid in pids]
         assert len(cpus) == 2
         if len(os.sched_getaffinity(0)) >= 2:
             assert not cpus[0] & cpus[1], cpus
+        # One engine dying stops the server (exit 1) and the other engine.
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while server.proc.poll() is None:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        assert server.proc.returncode == 1
+        deadline = time.monotonic() + 15
+        while pid_alive(pids[0]):
+            assert time.monotonic() < deadline, "engine 0 outlived its server"
+            time.sleep(0.1)
     finally:
         server.stop()
-
-
-def test_one_engine_dying_stops_the_server_and_every_engine():
-    server = start_server("--data-parallel-size", "2", "--max-model-len", "256", fresh=True)
-    server.wait_healthy()
-    pids = engine_pids(server.proc.pid)
-    assert len(pids) == 2
-    os.kill(pids[1], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while server.proc.poll() is None:
-        assert time.monotonic() < deadline, server.log()
-        time.sleep(0.1)
-    assert server.proc.returncode == 1
-    deadline = time.monotonic() + 15
-    while pid_alive(pids[0]):
-        assert time.monotonic() < deadline, "engine 0 outlived its server"
-        time.sleep(0.1)
 
 
 def test_bad_data_parallel_size_is_a_clear_error():

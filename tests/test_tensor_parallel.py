@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from forerun import LLM, SamplingParams
+from forerun.worker.executor import run_on_worker_thread
 from tests.conftest import assert_all_blocks_free
 from tests.server_harness import child_pids, pid_alive
 from tests.tiny_model import write_tiny_llama
@@ -48,6 +50,11 @@ def rank_pids() -> list[int]:
     return pids
 
 
+def worker_thread_setup() -> tuple[set[int], int]:
+    """The CPUs and torch thread count of the process's shared worker thread."""
+    return run_on_worker_thread(lambda: (os.sched_getaffinity(0), torch.get_num_threads()))
+
+
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_two_ranks_give_the_tokens_of_one_process(tiny_dir, mode):
     kw = dict(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4,
@@ -55,6 +62,7 @@ def test_two_ranks_give_the_tokens_of_one_process(tiny_dir, mode):
     one = LLM(**kw)
     want = run(one)
     one.shutdown()
+    before = worker_thread_setup()
     # A small pool: requests preempt each other, so resumed rows are rebuilt on every rank.
     two = LLM(tensor_parallel_size=2, num_gpu_blocks_override=14, **kw)
     try:
@@ -65,6 +73,8 @@ def test_two_ranks_give_the_tokens_of_one_process(tiny_dir, mode):
     finally:
         two.shutdown()
     assert rank_pids() == []
+    # The process's shared worker thread has its CPUs and threads back for later engines.
+    assert worker_thread_setup() == before
 
 
 @pytest.mark.slow

@@ -120,7 +120,10 @@ class MultiprocExecutor:
             p.start()
 
         def init_rank0() -> ModelRunner:
-            # The worker thread runs every collective of this process.
+            # The worker thread runs every collective of this process. It is shared by every
+            # engine in the process: its CPUs and thread count go back at shutdown.
+            self._saved_cpus = os.sched_getaffinity(0)
+            self._saved_threads = torch.get_num_threads()
             take_cpu_share(config.data_parallel_rank * size, config.data_parallel_size * size)
             group = init_tensor_parallel(0, size, addr, port, config.resolve_device())
             return _build_runner(config, info, num_blocks, group, tracer, spec_config)
@@ -155,6 +158,8 @@ class MultiprocExecutor:
                     dist.broadcast_object_list([(_SHUTDOWN, ())], src=0)
             finally:
                 destroy_tensor_parallel()
+                os.sched_setaffinity(0, self._saved_cpus)
+                torch.set_num_threads(self._saved_threads)
         try:
             self._pool.submit(stop).result(timeout=30)
         except Exception as exc:
