@@ -55,6 +55,14 @@ class EngineConfig:
     data_parallel_rank: int = 0
     # Tensor parallel: each engine's model split over this many processes (vLLM's name).
     tensor_parallel_size: int = 1
+    # The tensor-parallel ranks spread over machines: node 0 runs the engine and its share
+    # of the ranks; every other node runs only ranks (``forerun serve --node-rank k``).
+    # The rendezvous is master_addr:master_port (else MASTER_ADDR / MASTER_PORT, else this
+    # machine and a free port, which only a single node can use).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -77,6 +85,17 @@ class EngineConfig:
                 self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
+                             f"{self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must divide tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (each node runs as many ranks)")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError("nnodes: data parallel runs on one machine; use nnodes=1")
+        if self.nnodes > 1 and self.rendezvous()[1] is None:
+            raise ValueError("master_port (or MASTER_PORT) is needed when nnodes > 1, so that "
+                             "every node finds the same rendezvous")
         if self.tensor_parallel_size > 1 and self.simulated_device is not None:
             raise ValueError("tensor_parallel_size: the simulated device runs one process")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
@@ -89,6 +108,13 @@ class EngineConfig:
             parse_simulated_device(self.simulated_device)
             if self.speculative_config:
                 raise ValueError("simulated_device: speculative decoding needs the real model")
+
+    def rendezvous(self) -> tuple[str, int | None]:
+        """(address, port) where the tensor-parallel ranks meet; port None = any free one."""
+        from forerun import envs
+        addr = self.master_addr or envs.master_addr() or "127.0.0.1"
+        port = self.master_port if self.master_port is not None else envs.master_port()
+        return addr, port
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -40,6 +40,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="gguf (compute with a GGUF's quantized blocks) or int8")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split each engine's model over this many processes (torch.distributed)")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="machines the tensor-parallel ranks spread over")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; nodes other than 0 run ranks only")
+    g.add_argument("--master-addr", default=None,
+                   help="rendezvous host (default: MASTER_ADDR, else 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: MASTER_PORT; needed with --nnodes > 1)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind one server, each on its own share of the CPUs")
     g.add_argument("--simulated-device", default=None,
@@ -73,6 +81,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         simulated_device=args.simulated_device,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 

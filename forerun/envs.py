@@ -57,3 +57,19 @@ def small_batch_tokens() -> int:
         return max(0, int(value))
     except ValueError:
         raise ValueError(f"FORERUN_SMALL_BATCH_TOKENS must be an integer, got {value!r}") from None
+
+
+def master_addr() -> str | None:
+    """``MASTER_ADDR``: the rendezvous host of a multi-node group (torch.distributed's name)."""
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def master_port() -> int | None:
+    """``MASTER_PORT``: the rendezvous port of a multi-node group."""
+    value = os.environ.get("MASTER_PORT")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"MASTER_PORT must be an integer, got {value!r}") from None

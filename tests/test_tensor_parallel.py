@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import pytest
 import torch
 
 from forerun import LLM, SamplingParams
+from forerun.config import EngineConfig
+from forerun.distributed.parallel_state import free_port
 from forerun.worker.executor import run_on_worker_thread
 from tests.conftest import assert_all_blocks_free
 from tests.server_harness import child_pids, pid_alive
@@ -117,3 +121,41 @@ def test_a_dead_rank_is_an_error_not_a_hang_and_leaves_no_process(tiny_dir):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert rank_pids() == []
+
+
+def test_two_nodes_on_localhost_give_the_tokens_of_one_process(tiny_dir):
+    """--nnodes 2: node 1 is a `forerun serve --node-rank 1` process that runs rank 1 only;
+    this process is node 0 (the engine and rank 0); they meet over TCP."""
+    kw = dict(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4)
+    one = LLM(**kw)
+    want = run(one)
+    one.shutdown()
+    port = free_port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "forerun.cli", "serve", "--model", str(tiny_dir),
+         "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        llm = LLM(tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port, **kw)
+        try:
+            assert run(llm) == want
+            assert rank_pids() == []  # rank 1 runs on the other "node"
+        finally:
+            llm.shutdown()
+        # Node 0 ended the group: node 1's rank and node 1 itself exit cleanly.
+        code = node1.wait(60)
+        assert code == 0, node1.stdout.read().decode()[-3000:] if node1.stdout else code
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+
+
+def test_multi_node_settings_are_checked():
+    with pytest.raises(ValueError, match="master_port"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="nnodes=2 must divide"):
+        EngineConfig(tensor_parallel_size=3, nnodes=2, master_port=1234)
+    with pytest.raises(ValueError, match="node_rank"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1234)

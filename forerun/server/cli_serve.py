@@ -22,6 +22,7 @@ from forerun.model.errors import ModelLoadError
 from forerun.server.api import build_app
 from forerun.server.config import ServerConfig, parse_structured_outputs_config
 from forerun.server.metrics import ServerMetrics
+from forerun.worker.multiproc_executor import run_worker_node
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         config = config_from_args(args)
+        if config.node_rank > 0:
+            # A worker node: its tensor-parallel ranks only; node 0 serves the API.
+            return run_worker_node(config)
         engine = AsyncLLM(config, engine_process=args.engine_process,
                           max_waiting_requests=server_config.max_waiting_requests,
                           request_timeout_s=server_config.request_timeout_s,

@@ -74,7 +74,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int, size: int,
                addr: str, port: int, parent_pid: int,
-               spec_config: SpeculativeConfig | None) -> None:
+               spec_config: SpeculativeConfig | None, cpu_share: tuple[int, int]) -> None:
     """A rank other than 0: join the group, load its shard, then run what rank 0 sends."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp-rank-{rank}] %(name)s: "
@@ -82,7 +82,7 @@ def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int, size
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    take_cpu_share(config.data_parallel_rank * size + rank, config.data_parallel_size * size)
+    take_cpu_share(*cpu_share)
     torch.manual_seed(config.seed)  # the same unseeded keys as rank 0
     group = init_tensor_parallel(rank, size, addr, port, config.resolve_device())
     runner = _build_runner(config, info, num_blocks, group, None, spec_config)
@@ -99,6 +99,50 @@ def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int, size
         destroy_tensor_parallel()
 
 
+def spawn_ranks(config: EngineConfig, info: Any, num_blocks: int, ranks: range,
+                addr: str, port: int, spec_config: SpeculativeConfig | None,
+                share_indices: list[int], num_shares: int) -> list[Any]:
+    """Start one process per rank in ``ranks`` (children of this process)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, name=f"forerun-tp-rank-{r}", daemon=True,
+                         args=(config, info, num_blocks, r, config.tensor_parallel_size,
+                               addr, port, os.getpid(), spec_config, (share, num_shares)))
+             for r, share in zip(ranks, share_indices, strict=True)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """A node other than 0 (``--node-rank k``): run its ranks until node 0 ends the group.
+
+    Returns the exit status: 0 if every rank ended cleanly.
+    """
+    from forerun.engine.builder import num_kv_blocks, resolve_model_info
+    from forerun.spec_decode.config import SpeculativeConfig as _Spec
+
+    info = resolve_model_info(config)
+    device = config.resolve_device()
+    num_blocks = num_kv_blocks(config, info, config.resolve_dtype(device), device)
+    # Node 0 may lower max_model_len to fit its cache; every node computes the same.
+    addr, port = config.rendezvous()
+    assert port is not None  # EngineConfig requires it with nnodes > 1
+    local = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * local
+    procs = spawn_ranks(config, info, num_blocks, range(first, first + local), addr, port,
+                        _Spec.from_dict(config.speculative_config), list(range(local)), local)
+    logger.info("worker node %d of %d: ranks %d..%d, rendezvous %s:%d", config.node_rank,
+                config.nnodes, first, first + local - 1, addr, port)
+    try:
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        for p in procs:
+            p.kill()
+        return 130
+    return int(any(p.exitcode for p in procs))
+
+
 class MultiprocExecutor:
     """The :class:`forerun.worker.executor.Executor` interface over ``tensor_parallel_size``
     ranks (see the module docstring)."""
@@ -109,22 +153,22 @@ class MultiprocExecutor:
         self._threads_guard = CallerThreadsGuard()
         self._pool = worker_thread()
         self._closed = False
-        addr, port = "127.0.0.1", free_port()
-        ctx = multiprocessing.get_context("spawn")
-        self._procs = [
-            ctx.Process(target=_rank_main, name=f"forerun-tp-rank-{r}", daemon=True,
-                        args=(config, info, num_blocks, r, size, addr, port, os.getpid(),
-                              spec_config))
-            for r in range(1, size)]
-        for p in self._procs:
-            p.start()
+        addr, port = config.rendezvous()
+        if port is None:
+            port = free_port()
+        # This node's ranks: 0 here, 1 .. local - 1 as processes; other nodes run the rest.
+        local = size // config.nnodes
+        shares = config.data_parallel_size * local
+        self._procs = spawn_ranks(config, info, num_blocks, range(1, local), addr, port,
+                                  spec_config, [config.data_parallel_rank * local + r
+                                                for r in range(1, local)], shares)
 
         def init_rank0() -> ModelRunner:
             # The worker thread runs every collective of this process. It is shared by every
             # engine in the process: its CPUs and thread count go back at shutdown.
             self._saved_cpus = os.sched_getaffinity(0)
             self._saved_threads = torch.get_num_threads()
-            take_cpu_share(config.data_parallel_rank * size, config.data_parallel_size * size)
+            take_cpu_share(config.data_parallel_rank * local, shares)
             group = init_tensor_parallel(0, size, addr, port, config.resolve_device())
             return _build_runner(config, info, num_blocks, group, tracer, spec_config)
 
@@ -154,6 +198,7 @@ class MultiprocExecutor:
 
         def stop() -> None:
             try:
+                # Ranks on other nodes are not ours to watch; a dead one fails this too.
                 if all(p.is_alive() for p in self._procs):
                     dist.broadcast_object_list([(_SHUTDOWN, ())], src=0)
             finally:
