@@ -11,6 +11,7 @@ from forerun.engine.chat import apply_chat_template
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine_args import add_engine_args, config_from_args
 from forerun.sampling_params import SamplingParams
+from forerun.worker.multiproc_executor import run_worker_node
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,11 @@ def _stream(engine: LLMEngine, request_id: str, prompt: Any, params: SamplingPar
 def _start(args: argparse.Namespace) -> tuple[SamplingParams, LLMEngine] | None:
     """Validate the flags and load the engine; None (after saying why) if that fails."""
     try:
-        return _params(args), LLMEngine(config_from_args(args))
+        config = config_from_args(args)
+        if config.node_rank > 0:
+            # A worker node of a multi-node (or torchrun) group: ranks only, no output.
+            raise SystemExit(run_worker_node(config))
+        return _params(args), LLMEngine(config)
     except ValueError as e:  # ModelLoadError is a ValueError too
         print(f"error: {e}", file=sys.stderr)
         return None

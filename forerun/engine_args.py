@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from forerun import envs
 from forerun.config import EngineConfig
 
 
@@ -59,7 +60,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build an EngineConfig from parsed ``add_engine_args`` flags; ValueError if invalid."""
+    """Build an EngineConfig from parsed ``add_engine_args`` flags; ValueError if invalid.
+
+    Under a launcher that starts one process per rank (``torchrun``: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) with ``--tensor-parallel-size`` equal to WORLD_SIZE and no
+    ``--nnodes``, each process is one "node" of one rank: RANK 0 runs the engine.
+    """
+    launched = envs.launcher_rank()
+    if (launched is not None and launched[1] > 1 and args.nnodes == 1
+            and args.tensor_parallel_size == launched[1]):
+        args.node_rank, args.nnodes = launched
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,

@@ -73,3 +73,22 @@ def master_port() -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"MASTER_PORT must be an integer, got {value!r}") from None
+
+
+def launcher_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when a launcher such as ``torchrun`` started this process as one
+    of several, else None."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    try:
+        return int(rank), int(world)
+    except ValueError:
+        raise ValueError(f"RANK and WORLD_SIZE must be integers, got {rank!r}, {world!r}") \
+            from None
+
+
+def elastic_agent_store() -> bool:
+    """Set by ``torchrun`` when its agent already serves the rendezvous store at
+    MASTER_ADDR:MASTER_PORT (the ranks must join it as clients, through ``env://``)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

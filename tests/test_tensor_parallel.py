@@ -159,3 +159,19 @@ def test_multi_node_settings_are_checked():
         EngineConfig(tensor_parallel_size=3, nnodes=2, master_port=1234)
     with pytest.raises(ValueError, match="node_rank"):
         EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1234)
+
+
+def test_torchrun_launches_one_rank_per_process(tiny_dir):
+    """`torchrun --nproc-per-node 2 -m forerun.cli generate ... -tp 2`: RANK 0 runs the engine
+    and prints the text, RANK 1 runs its rank; the text is the single-process one."""
+    args = ["generate", "w5z w17z w250z w3z", "--model", str(tiny_dir), "--dtype", "float32",
+            "--max-tokens", "8", "--max-model-len", "128"]
+    one = subprocess.run([sys.executable, "-m", "forerun.cli", *args], capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(free_port()), "-m", "forerun.cli", *args,
+                          "-tp", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout

@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from forerun import envs
+
 logger = logging.getLogger(__name__)
 
 # A rank that stops answering turns into an error after this long, not a hang.
@@ -43,8 +45,10 @@ def init_tensor_parallel(rank: int, size: int, master_addr: str, master_port: in
     """Join the group (blocks until every rank has); gloo on CPU, NCCL on CUDA."""
     global _group
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    # Under torchrun the agent serves the store at MASTER_ADDR:MASTER_PORT already.
+    init = "env://" if envs.elastic_agent_store() else f"tcp://{master_addr}:{master_port}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
     _group = TensorParallelGroup(rank, size)
     logger.info("tensor-parallel rank %d of %d (%s, %s:%d)", rank, size, backend,
                 master_addr, master_port)
