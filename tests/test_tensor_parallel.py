@@ -175,3 +175,18 @@ def test_torchrun_launches_one_rank_per_process(tiny_dir):
                           "-tp", "2"], capture_output=True, text=True, timeout=300, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout
+
+
+def test_vocab_parallel_embedding_rows_sum_to_the_whole_with_a_padded_vocabulary():
+    from forerun.distributed.parallel_state import TensorParallelGroup
+    from forerun.distributed.tensor_parallel import VocabParallelEmbedding
+
+    class Local(TensorParallelGroup):  # one process plays every rank; the test sums
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    full = torch.randn(10, 4, dtype=torch.float64)  # 10 rows over 3 ranks: 4, 4, 2 + pad
+    ids = torch.tensor([0, 3, 4, 7, 8, 9])
+    shards = [VocabParallelEmbedding(full, Local(r, 3)) for r in range(3)]
+    assert [s.weight.shape[0] for s in shards] == [4, 4, 4]
+    assert torch.equal(sum(s(ids) for s in shards), full[ids])

@@ -4,13 +4,17 @@ Each rank keeps its share of the attention heads and of the MLP's intermediate c
 the fused q/k/v and gate/up projections are split by output rows (column parallel, no
 communication), o_proj and down_proj by input columns (row parallel), each followed by one
 all-reduce, so a layer costs two all-reduces. KV heads are split with the query heads, so
-each rank's KV cache holds only its heads. The embedding and the output head are kept
-whole on every rank (they are a small part of the models this runs on a CPU).
+each rank's KV cache holds only its heads. The embedding and the output head are split
+by vocabulary rows: a rank looks up the ids in its range (zeros elsewhere) and an
+all-reduce sums the rows; for the logits each rank computes its slice and an all-gather
+joins them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from forerun.distributed.parallel_state import TensorParallelGroup
@@ -35,6 +39,45 @@ class RowParallel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(self.linear(x).contiguous())
         return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding (the vocabulary padded to a multiple of the size)."""
+
+    def __init__(self, full: torch.Tensor, group: TensorParallelGroup) -> None:
+        super().__init__()
+        per = -(-full.shape[0] // group.size)
+        self.start = group.rank * per
+        rows = full[self.start: self.start + per]
+        if rows.shape[0] < per:  # the last rank's rows past the vocabulary are zeros
+            rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
+        self.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.group.all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
+
+
+class VocabParallelHead(nn.Module):
+    """The output head over this rank's vocabulary rows; the logits of all ranks gathered."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int,
+                 group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                              device=weight.device, dtype=weight.dtype)
+        self.proj.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.vocab_size = vocab_size
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.proj(hidden).float().contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.group.size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
 def check_tensor_parallel(config, size: int) -> None:
@@ -86,5 +129,13 @@ def shard_model(model: nn.Module, group: TensorParallelGroup) -> None:
         mlp.intermediate_size = inter
         dw = mlp.down_proj.weight
         mlp.down_proj = RowParallel(dw[:, rank * inter:(rank + 1) * inter], None, group)
+    emb = VocabParallelEmbedding(model.model.embed_tokens.weight, group)
+    model.model.embed_tokens = emb
+    if model.lm_head is None:  # tied: the head reads the embedding's rows
+        head_rows = emb.weight
+    else:
+        head_rows = VocabParallelEmbedding(model.lm_head.weight, group).weight
+        model.lm_head = None
+    model.tp_head = VocabParallelHead(head_rows, model.config.vocab_size, group)
     # The one-call small-batch path has no all-reduce between its layers.
     model.small_batch.available = False

@@ -122,6 +122,9 @@ class LlamaForCausalLM(CausalLM):
         # quantization="gguf": the output head over GGUF blocks (the tied embedding's, or
         # lm_head's own); set by the loader (forerun/model/quant/gguf_linear.py).
         self.quant_head: nn.Module | None = None
+        # Tensor parallel: the vocabulary-parallel output head (logits gathered over the
+        # ranks); set by forerun/distributed/tensor_parallel.py.
+        self.tp_head: nn.Module | None = None
         # Steps of a few tokens run every layer in one C call (see small_batch.py).
         self.small_batch = SmallBatchStack(self)
         self.requires_grad_(False)
@@ -164,6 +167,8 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp_head is not None:
+            return self.tp_head(hidden)
         if self.quant_head is not None:
             # float32 in, float32 logits out: no rounding of the logits to the model dtype.
             return self.quant_head(hidden.float())
@@ -184,7 +189,7 @@ class LlamaForCausalLM(CausalLM):
         else:
             self.small_batch.available = False
         n = prepack_linears(self)
-        if self.lm_head is None and self.quant_head is None:
+        if self.lm_head is None and self.quant_head is None and self.tp_head is None:
             self.packed_tied_head = PackedLinear(self.model.embed_tokens.weight, None)
             n += 1
         return n
