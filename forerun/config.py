@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from forerun.sampling_params import check_int
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -77,14 +79,8 @@ class EngineConfig:
         if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be at least 1")
         resolve_async_mode(self.async_scheduling)  # validates
-        if isinstance(self.data_parallel_size, bool) or not isinstance(
-                self.data_parallel_size, int) or self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be an integer >= 1, got "
-                             f"{self.data_parallel_size!r}")
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
-                self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
-                             f"{self.tensor_parallel_size!r}")
+        check_int("data_parallel_size", self.data_parallel_size, 1, 1 << 16)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1 << 16)
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
                              f"{self.node_rank}")

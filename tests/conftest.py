@@ -31,18 +31,18 @@ def hf_smollm2() -> tuple[Any, Any]:
     return model, tok
 
 
-class _LLMCache:
-    """Builds each engine configuration once per session; checks no block leaked."""
+class LLMCache:
+    """Builds each engine configuration once (``defaults`` under the caller's keywords);
+    :meth:`close` shuts them all down."""
 
-    def __init__(self) -> None:
+    def __init__(self, **defaults: Any) -> None:
+        self.defaults = defaults
         self._llms: dict[tuple, Any] = {}
 
     def __call__(self, **kwargs: Any) -> Any:
         from forerun import LLM
 
-        kwargs.setdefault("dtype", "float32")
-        kwargs.setdefault("kv_cache_memory_bytes", 256 << 20)
-        kwargs.setdefault("max_model_len", 2048)
+        kwargs = {**self.defaults, **kwargs}
         key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))  # dict values too
         if key not in self._llms:
             self._llms[key] = LLM(**kwargs)
@@ -51,13 +51,21 @@ class _LLMCache:
     def close(self) -> None:
         for llm in self._llms.values():
             llm.shutdown()
+        self._llms.clear()
 
 
 @pytest.fixture(scope="session")
 def llm_cache():
-    cache = _LLMCache()
+    """The default model in float32, one engine per configuration for the session."""
+    cache = LLMCache(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048)
     yield cache
     cache.close()
+
+
+@pytest.fixture
+def private_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep throw-away GGUFs out of the user's ~/.cache/forerun."""
+    monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "forerun-cache"))
 
 
 def assert_all_blocks_free(llm: Any) -> None:

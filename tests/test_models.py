@@ -310,12 +310,6 @@ def _write_gguf(hf: torch.nn.Module, path: Path) -> None:
     w.close()
 
 
-@pytest.fixture
-def private_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep throw-away GGUFs out of the user's ~/.cache/forerun."""
-    monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "forerun-cache"))
-
-
 @pytest.mark.usefixtures("private_model_cache")
 def test_gguf_loading_matches(tiny, tmp_path: Path) -> None:
     hf, _, _ = tiny

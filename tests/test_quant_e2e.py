@@ -116,12 +116,6 @@ def _write_tiny_gguf(path: Path, qtype: GT, tied: bool, seed: int) -> None:
     w.close()
 
 
-@pytest.fixture
-def private_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep throw-away GGUFs out of the user's ~/.cache/forerun."""
-    monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "forerun-cache"))
-
-
 @pytest.mark.usefixtures("private_model_cache")
 @pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_0, GT.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("path", ["small-batch", "op-by-op", "torch"])

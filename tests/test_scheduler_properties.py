@@ -11,6 +11,7 @@ the sync engine and the async engines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
@@ -83,7 +84,11 @@ def workloads(draw: st.DrawFn, with_aborts: bool) -> Workload:
     )
 
 
-def run(w: Workload, async_scheduling: bool, depth: int) -> Harness:
+def run(w: Workload, async_scheduling: bool, depth: int, num_speculative_tokens: int = 0,
+        drafts_found: Callable[[str, int], int] | None = None,
+        accept: Callable[[str, int, int], int] | None = None) -> Harness:
+    """Drive the workload to the end (with the fake worker's drafts and acceptance, if
+    spec decoding is on); checks every block is released."""
     h = Harness(
         async_scheduling=async_scheduling,
         depth=depth,
@@ -95,6 +100,8 @@ def run(w: Workload, async_scheduling: bool, depth: int) -> Harness:
         enable_caching=w.enable_caching,
         defer_block_free=w.defer_block_free if depth > 1 else False,
         eos_at={r.req_id: r.eos_at for r in w.reqs if r.eos_at is not None},
+        num_speculative_tokens=num_speculative_tokens, drafts_found=drafts_found,
+        accept=accept,
     )
     last_event = max(max(r.arrival, r.abort_at or 0) for r in w.reqs)
     call = 0

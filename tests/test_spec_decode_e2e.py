@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from forerun import LLM, SamplingParams
-from tests.conftest import assert_all_blocks_free
+from tests.conftest import LLMCache, assert_all_blocks_free
 from tests.tiny_model import write_tiny_llama
 
 K = 3
@@ -47,23 +47,12 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-_ENGINES: dict[str, LLM] = {}
-
-
-def engine(tiny_dir: Path, **kw: Any) -> LLM:
-    key = repr(sorted(kw.items()))
-    if key not in _ENGINES:
-        _ENGINES[key] = LLM(model=str(tiny_dir), dtype="float32", seed=0, max_model_len=128,
-                            block_size=4, **kw)
-    return _ENGINES[key]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_engines():
-    yield
-    for llm in _ENGINES.values():
-        llm.shutdown()
-    _ENGINES.clear()
+@pytest.fixture(scope="module")
+def engines(tiny_dir: Path):
+    cache = LLMCache(model=str(tiny_dir), dtype="float32", seed=0, max_model_len=128,
+                     block_size=4)
+    yield cache
+    cache.close()
 
 
 def run(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
@@ -78,9 +67,9 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("mode", ["off", "on"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_with_drafts_equals_greedy_without(tiny_dir, method, mode, config):
-    base = engine(tiny_dir, async_scheduling="off", **CONFIGS[config])
-    spec = engine(tiny_dir, async_scheduling=mode, speculative_config=METHODS[method],
+def test_greedy_with_drafts_equals_greedy_without(engines, method, mode, config):
+    base = engines(async_scheduling="off", **CONFIGS[config])
+    spec = engines(async_scheduling=mode, speculative_config=METHODS[method],
                   **CONFIGS[config])
     params = [greedy(40), greedy(1), greedy(K), greedy(K + 1)]
     if config == "preemption":
@@ -95,10 +84,10 @@ def test_greedy_with_drafts_equals_greedy_without(tiny_dir, method, mode, config
     assert_all_blocks_free(spec)
 
 
-def test_max_tokens_and_stop_tokens_inside_an_accepted_run(tiny_dir):
-    base = engine(tiny_dir, async_scheduling="off")
+def test_max_tokens_and_stop_tokens_inside_an_accepted_run(engines):
+    base = engines(async_scheduling="off")
     for mode in ("off", "on"):
-        spec = engine(tiny_dir, async_scheduling=mode, speculative_config=METHODS["ngram"])
+        spec = engines(async_scheduling=mode, speculative_config=METHODS["ngram"])
         for n in (1, 2, K, K + 1, 2 * K + 1):
             assert run(spec, greedy(n)) == run(base, greedy(n)), (mode, n)
         # Stop on a token the greedy loops produce mid-run: it must end the output there.
@@ -110,9 +99,9 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(tiny_dir):
         assert_all_blocks_free(spec)
 
 
-def test_logprobs_of_accepted_drafts_equal_the_plain_engines(tiny_dir):
-    base = engine(tiny_dir, async_scheduling="off")
-    spec = engine(tiny_dir, async_scheduling="on", speculative_config=METHODS["ngram"])
+def test_logprobs_of_accepted_drafts_equal_the_plain_engines(engines):
+    base = engines(async_scheduling="off")
+    spec = engines(async_scheduling="on", speculative_config=METHODS["ngram"])
     p = greedy(30, logprobs=3)
     a = base.generate([{"prompt_token_ids": q} for q in PROMPTS], p, use_tqdm=False)
     b = spec.generate([{"prompt_token_ids": q} for q in PROMPTS], p, use_tqdm=False)
@@ -125,10 +114,10 @@ def test_logprobs_of_accepted_drafts_equal_the_plain_engines(tiny_dir):
                 assert lx[tok].rank == ly[tok].rank
 
 
-def test_penalties_min_tokens_and_bad_words_are_exact_with_drafts(tiny_dir):
-    base = engine(tiny_dir, async_scheduling="off")
+def test_penalties_min_tokens_and_bad_words_are_exact_with_drafts(engines):
+    base = engines(async_scheduling="off")
     for mode in ("off", "on"):
-        spec = engine(tiny_dir, async_scheduling=mode, speculative_config=METHODS["ngram"])
+        spec = engines(async_scheduling=mode, speculative_config=METHODS["ngram"])
         for kw in ({"repetition_penalty": 1.3}, {"frequency_penalty": 0.3},
                    {"presence_penalty": 0.4, "repetition_penalty": 1.1},
                    {"min_tokens": 12, "stop_token_ids": [7, 8, 9]},
@@ -140,8 +129,8 @@ def test_penalties_min_tokens_and_bad_words_are_exact_with_drafts(tiny_dir):
         assert_all_blocks_free(spec)
 
 
-def test_seeded_sampling_with_drafts_is_reproducible_whatever_the_batch(tiny_dir):
-    spec = engine(tiny_dir, async_scheduling="on", speculative_config=METHODS["ngram"])
+def test_seeded_sampling_with_drafts_is_reproducible_whatever_the_batch(engines):
+    spec = engines(async_scheduling="on", speculative_config=METHODS["ngram"])
     p = SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=123)
     alone = spec.generate([{"prompt_token_ids": PROMPTS[1]}], p, use_tqdm=False)
     crowd = spec.generate([{"prompt_token_ids": q} for q in PROMPTS],
@@ -151,8 +140,8 @@ def test_seeded_sampling_with_drafts_is_reproducible_whatever_the_batch(tiny_dir
     assert_all_blocks_free(spec)
 
 
-def test_suffix_drafts_from_earlier_responses(tiny_dir):
-    spec = engine(tiny_dir, async_scheduling="on", speculative_config=METHODS["suffix"],
+def test_suffix_drafts_from_earlier_responses(engines):
+    spec = engines(async_scheduling="on", speculative_config=METHODS["suffix"],
                   enable_prefix_caching=False)
     prompt = [{"prompt_token_ids": [33, 7, 25, 16, 40, 4]}]
     p = greedy(40)
@@ -221,9 +210,9 @@ def test_the_trace_shows_accepted_drafts_per_position(tiny_dir, tmp_path):
                for j in range(K)) == stats.spec_num_draft_tokens
 
 
-def test_disable_by_batch_size_stops_drafting_while_the_batch_is_larger(tiny_dir):
-    base = engine(tiny_dir, async_scheduling="off")
-    spec = engine(tiny_dir, async_scheduling="on", speculative_config={
+def test_disable_by_batch_size_stops_drafting_while_the_batch_is_larger(engines):
+    base = engines(async_scheduling="off")
+    spec = engines(async_scheduling="on", speculative_config={
         **METHODS["ngram"], "disable_by_batch_size": 1})
     before = spec.stats().scheduler.spec_num_draft_tokens
     assert run(spec, greedy(30)) == run(base, greedy(30))  # four at once: no drafts

@@ -15,35 +15,10 @@ from hypothesis import strategies as st
 
 from tests.fake_executor import hash_accept
 from tests.harness import Harness, expected_output, make_request
-from tests.test_scheduler_properties import Workload, oracle, workloads
+from tests.test_scheduler_properties import Workload, oracle, run, workloads
 
 ENGINES = [(False, 1), (True, 2), (True, 3)]
 K = 3
-
-
-def run(w: Workload, async_scheduling: bool, depth: int, k: int, found, accept) -> Harness:
-    h = Harness(
-        async_scheduling=async_scheduling, depth=depth, num_blocks=w.num_blocks,
-        block_size=w.block_size, max_num_batched_tokens=w.budget,
-        max_num_seqs=w.max_num_seqs, max_model_len=w.max_model_len,
-        enable_caching=w.enable_caching,
-        defer_block_free=w.defer_block_free if depth > 1 else False,
-        eos_at={r.req_id: r.eos_at for r in w.reqs if r.eos_at is not None},
-        num_speculative_tokens=k, drafts_found=found, accept=accept)
-    last_event = max(max(r.arrival, r.abort_at or 0) for r in w.reqs)
-    call = 0
-    while call <= last_event or h.engine.has_work():
-        for r in w.reqs:
-            if r.arrival == call:
-                h.add(make_request(r.req_id, list(r.prompt), r.max_tokens, w.block_size))
-        for r in w.reqs:
-            if r.abort_at == call:
-                h.abort(r.req_id)
-        h.step()
-        call += 1
-        assert call < 5_000, "engine made no progress"
-    h.assert_all_released()
-    return h
 
 
 def single(prompt_len: int, max_tokens: int, eos_at: int | None = None, **kw) -> Harness:

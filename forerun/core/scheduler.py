@@ -150,8 +150,6 @@ class Scheduler:
             spec_num_draft_tokens=c.spec_num_draft_tokens,
             spec_num_accepted_tokens=c.spec_num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(c.spec_num_accepted_tokens_per_pos),
-            spec_acceptance_rate=(c.spec_num_accepted_tokens / c.spec_num_draft_tokens
-                                  if c.spec_num_draft_tokens else 0.0),
         )
 
     # ----- schedule ---------------------------------------------------------------------

@@ -31,12 +31,18 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     num_grammar_compile_errors: int = 0
     num_grammar_rejected_tokens: int = 0
     # Speculative decoding since start: request-steps that verified drafts, drafts
-    # verified, drafts accepted (in total and at each draft position), and their ratio.
+    # verified, drafts accepted (in total and at each draft position).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
-    spec_acceptance_rate: float = 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafts over verified drafts (0 before any)."""
+        if not self.spec_num_draft_tokens:
+            return 0.0
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
 
 
 class KVCacheStats(msgspec.Struct, frozen=True, kw_only=True):

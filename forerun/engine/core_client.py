@@ -173,16 +173,21 @@ class EngineCoreClient:
         self._send(GetStats(call_id))
 
     # ----- outputs ----------------------------------------------------------------------
-    async def recv_messages(self, timeout_ms: int) -> list[Any]:
-        """Every message waiting now, after waiting up to ``timeout_ms`` for the first."""
+    def output_socket(self) -> zmq.asyncio.Socket:
+        """The socket the core's messages arrive on, for the running event loop."""
         if self._aout is None:
             self._aout = zmq.asyncio.Socket.from_socket(self._out)
-        if not await self._aout.poll(timeout_ms):
+        return self._aout
+
+    async def recv_messages(self, timeout_ms: int) -> list[Any]:
+        """Every message waiting now, after waiting up to ``timeout_ms`` for the first."""
+        sock = self.output_socket()
+        if not await sock.poll(timeout_ms):
             return []
         msgs = []
         while True:
             try:
-                raw = await self._aout.recv(zmq.NOBLOCK)
+                raw = await sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return msgs
             msgs.append(output_decoder.decode(raw))
@@ -282,8 +287,7 @@ class DPEngineCoreClient:
         if self._poller is None:
             self._poller = zmq.asyncio.Poller()
             for c in self.clients:
-                c._aout = zmq.asyncio.Socket.from_socket(c._out)
-                self._poller.register(c._aout, zmq.POLLIN)
+                self._poller.register(c.output_socket(), zmq.POLLIN)
         if not await self._poller.poll(timeout_ms):
             return []
         msgs: list[Any] = []

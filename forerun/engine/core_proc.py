@@ -14,7 +14,6 @@ import traceback
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 
 from forerun.config import EngineConfig
@@ -38,6 +37,7 @@ from forerun.engine.core_messages import (
     output_encoder,
 )
 from forerun.request import Request
+from forerun.worker.cpu_threads import take_cpu_share
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +145,6 @@ class EngineCoreProc:
         self.last_sent = time.monotonic()
 
 
-def _take_cpu_share(rank: int, size: int) -> None:
-    """Pin this data-parallel engine to its own CPUs and size torch's team to them, so that
-    ``size`` engines on one machine do not fight over the same cores."""
-    cpus = sorted(os.sched_getaffinity(0))
-    mine = cpus[rank::size] or cpus  # more engines than CPUs: share them all
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-    logger.info("data-parallel rank %d of %d on CPUs %s", rank, size, mine)
-
-
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int | None, in_process: bool = False) -> None:
     """Entry point of the core process (or thread): build the core, report, loop."""
@@ -166,7 +156,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if config.data_parallel_size > 1 and config.tensor_parallel_size == 1:
-            _take_cpu_share(config.data_parallel_rank, config.data_parallel_size)
+            cpus = take_cpu_share(config.data_parallel_rank, config.data_parallel_size)
+            logger.info("data-parallel rank %d of %d on CPUs %s", config.data_parallel_rank,
+                        config.data_parallel_size, cpus)
     ctx = zmq.Context.instance() if in_process else zmq.Context()
     in_sock = ctx.socket(zmq.PULL)
     out_sock = ctx.socket(zmq.PUSH)

@@ -132,23 +132,23 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
             return Response(status_code=499)
         return await generate(request, raw, chat=_invocation_kind(raw) is ChatCompletionRequest)
 
-    @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest))
-    async def tokenize_route(request: Request) -> Response:
+    async def tokenizer_route(request: Request, parse: Any, handle: Any) -> Response:
+        """Read, parse (``parse(raw)``) and answer (``handle(ctx, body)``) one body."""
         try:
             raw = await read_body(request, limit)
         except ClientDisconnected:
             return Response(status_code=499)
-        body = await off_loop_if_big(len(raw), parse_tokenize, raw)
-        return JSONResponse(await off_loop_if_big(len(raw), tokenize, ctx, body))
+        body = await off_loop_if_big(len(raw), parse, raw)
+        return JSONResponse(await off_loop_if_big(len(raw), handle, ctx, body))
+
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest))
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenizer_route(request, parse_tokenize, tokenize)
 
     @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
-        try:
-            raw = await read_body(request, limit)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        body = await off_loop_if_big(len(raw), parse_body, DetokenizeRequest, raw)
-        return JSONResponse(await off_loop_if_big(len(raw), detokenize, ctx, body))
+        return await tokenizer_route(
+            request, lambda raw: parse_body(DetokenizeRequest, raw), detokenize)
 
     if server.enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")

@@ -121,7 +121,21 @@ def _first_bad_text(body: dict[Any, Any]) -> str | None:
     return None
 
 
-class _BaseRequest(BaseModel):
+class TextCheckedRequest(BaseModel):
+    """A request body whose strings (and keys) must all be encodable as UTF-8."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_bad_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            path = _first_bad_text(data)
+            if path is not None:
+                raise ValueError(f"{path}: is not valid Unicode text (it holds a lone "
+                                 "surrogate, which UTF-8 cannot encode)")
+        return data
+
+
+class _BaseRequest(TextCheckedRequest):
     """Fields shared by completions and chat completions.
 
     Types are strict (see ``_STRICT``); ranges are checked once, by SamplingParams, whose
@@ -173,16 +187,6 @@ class _BaseRequest(BaseModel):
     # vLLM's beam search (forerun/beam_search.py): n is the beam width.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_bad_text(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            path = _first_bad_text(data)
-            if path is not None:
-                raise ValueError(f"{path}: is not valid Unicode text (it holds a lone "
-                                 "surrogate, which UTF-8 cannot encode)")
-        return data
 
     # The endpoint's own unsupported extras, on top of _UNSUPPORTED_DEFAULTS.
     _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import ConfigDict, model_validator
 
-from forerun.server.protocol import ChatCompletionRequest, _first_bad_text
+from forerun.server.protocol import ChatCompletionRequest, TextCheckedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"developer": "system"}
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(TextCheckedRequest):
     """The body of ``POST /v1/responses``: what forerun reads of OpenAI's fields."""
 
     model_config = _STRICT
@@ -65,16 +65,6 @@ class ResponsesRequest(BaseModel):
     # vLLM's sampling extras, which its Responses endpoint takes as well.
     seed: int | None = None
     top_k: int | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_bad_text(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            path = _first_bad_text(data)
-            if path is not None:
-                raise ValueError(f"{path}: is not valid Unicode text (it holds a lone "
-                                 "surrogate, which UTF-8 cannot encode)")
-        return data
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> ResponsesRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from forerun.sampling_params import SamplingParams
+from forerun.sampling_params import SamplingParams, check_int, check_real
 
 METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
@@ -51,9 +51,8 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 30)
         for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"speculative_config.{name}: must be a number >= 0, got {v!r}")
+            if check_real(f"speculative_config.{name}", getattr(self, name)) < 0:
+                raise ValueError(f"speculative_config.{name} must be >= 0")
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | SpeculativeConfig | None
@@ -84,9 +83,7 @@ class SpeculativeConfig:
 
 
 def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"speculative_config.{name}: must be an integer in [{lo}, {hi}], "
-                         f"got {v!r}")
+    check_int(f"speculative_config.{name}", v, lo, hi)
 
 
 def supports_spec_decode(params: SamplingParams) -> bool:

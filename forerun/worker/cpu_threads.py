@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -56,3 +57,17 @@ class CallerThreadsGuard:
         if self._gomp is not None and self._previous > 0:
             self._gomp.omp_set_num_threads(self._previous)
             self._previous = 0
+
+
+def take_cpu_share(index: int, count: int) -> list[int]:
+    """Pin the calling thread (and the threads it starts) to share ``index`` of ``count``
+    shares of this process's CPUs and size torch's team to it; returns the CPUs.
+
+    Several engine or tensor-parallel processes on one machine each take their own share,
+    so that their OpenMP teams do not fight over the same cores.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = cpus[index::count] or cpus  # more shares than CPUs: share them all
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return mine

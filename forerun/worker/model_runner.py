@@ -46,6 +46,20 @@ class _StepState:
     drafts: list[list[int]] | None = None
 
 
+@dataclass(slots=True)
+class _StepInputs:
+    """The flat inputs of one step, as ``_prepare_inputs`` builds them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # flat rows whose logits are sampled
+    sample_req_ids: list[str]
+    sample_slots: torch.Tensor
+    drafts: list[list[int]] | None  # with a drafter: per sampling request, its drafts
+    num_tokens_of: dict[str, int]  # tokens computed per request (drafts found, not reserved)
+
+
 class AsyncModelRunnerOutput:
     """Sampled ids (and logprobs) still being copied device -> host.
 
@@ -181,6 +195,7 @@ class ModelRunner:
             self.sampling_state.init_slot(state)
             if self.drafter is not None:
                 state.token_ids = list(ids)  # grows with every sample
+                state.spec_enabled = supports_spec_decode(params)
                 self.drafter.add_request(new.req_id, state.token_ids, num_prompt)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(
@@ -201,23 +216,30 @@ class ModelRunner:
                                         finished)
 
     # ----- the two calls ----------------------------------------------------------------
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> None:
+    def _prepare(self, so: SchedulerOutput) -> _StepInputs | None:
+        """Apply the step's request changes and build its inputs; None (and an empty step
+        left for sample_tokens) when it schedules nothing."""
         with self.tracer.span("prepare", WORKER_LANE, so.step_id):
             self._update_states(so)
             req_ids = list(so.num_scheduled_tokens)
             if not req_ids:
                 self._step = _StepState([], [], None, None, so.step_id)
-                return
-            inputs = self._prepare_inputs(so, req_ids)
+                return None
+            return self._prepare_inputs(so, req_ids)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        inputs = self._prepare(so)
+        if inputs is None:
+            return
         with self.tracer.span("forward", WORKER_LANE, so.step_id):
-            (input_ids, positions, meta, logits_rows, sample_req_ids, sample_slots, drafts,
-             num_tokens_of) = inputs
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[logits_rows]) if sample_req_ids else None
-            prompt_lps = self._prompt_logprobs(num_tokens_of, hidden)
-        self._step = _StepState(req_ids, sample_req_ids, sample_slots, logits,
-                                so.step_id, prompt_lps, drafts)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = (self.model.compute_logits(hidden[inputs.logits_rows])
+                      if inputs.sample_req_ids else None)
+            prompt_lps = self._prompt_logprobs(inputs.num_tokens_of, hidden)
+        self._step = _StepState(list(inputs.num_tokens_of), inputs.sample_req_ids,
+                                inputs.sample_slots, logits, so.step_id, prompt_lps,
+                                inputs.drafts)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: object | None = None
@@ -319,7 +341,7 @@ class ModelRunner:
         return apply(logits, sample_req_ids)
 
     # ----- inputs -----------------------------------------------------------------------
-    def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str]):
+    def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str]) -> _StepInputs:
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -395,7 +417,7 @@ class ModelRunner:
             query_start_loc, seq_lens, torch.from_numpy(table),
             torch.tensor(slots, dtype=torch.long), bs, dev,
         )
-        return (
+        return _StepInputs(
             input_ids,
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
@@ -420,7 +442,6 @@ class ModelRunner:
         states = [self.requests[r] for r in step.sample_req_ids]
         row_states: list[CachedRequestState] = []
         row_req_ids: list[str] = []
-        row_slots: list[int] = []
         row_prior: list[list[int]] = []
         for state, drafts in zip(states, step.drafts, strict=True):
             if drafts and state.bad_word_seqs:
@@ -429,13 +450,12 @@ class ModelRunner:
                 row_states.append(state if j == 0 else
                                   replace(state, num_output_tokens=state.num_output_tokens + j))
                 row_req_ids.append(state.req_id)
-                row_slots.append(state.slot)
                 row_prior.append(drafts[:j])
         logits = step.logits
         if grammar_bitmask is not None:
             logits = self._apply_bitmask(logits, row_req_ids, grammar_bitmask)
         meta = self.sampling_state.metadata(row_states)
-        self.sampling_state.add_draft_counts(meta, row_slots, row_prior)
+        self.sampling_state.add_draft_counts(meta, row_prior)
         logits = process_logits(logits, meta)
         accept_u = None if meta.all_greedy else rng.acceptance_uniforms(
             [s.rng_key for s in row_states], [s.num_output_tokens for s in row_states])
@@ -461,7 +481,7 @@ class ModelRunner:
                 limit = min(k, limit + 2) if len(ids) > len(drafts) else max(1, limit - 1)
             state.num_draft_limit = limit
             state.spec_token_ids = []
-            if drafting and supports_spec_decode(state.sampling_params):
+            if drafting and state.spec_enabled:
                 state.spec_token_ids = self.drafter.propose(state.req_id, state.token_ids,
                                                             limit)
                 out.num_next_draft_tokens[state.req_id] = len(state.spec_token_ids)

@@ -33,23 +33,13 @@ from forerun.distributed.parallel_state import (
 from forerun.model.loader import load_model
 from forerun.spec_decode.config import SpeculativeConfig
 from forerun.trace import Tracer
-from forerun.worker.cpu_threads import CallerThreadsGuard
+from forerun.worker.cpu_threads import CallerThreadsGuard, take_cpu_share
 from forerun.worker.executor import _ResolvedFuture, worker_thread
 from forerun.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN = "shutdown"
-
-
-def take_cpu_share(index: int, count: int) -> list[int]:
-    """Pin this process to its share of the CPUs (``index`` of ``count`` shares) and size
-    torch's thread team to it; returns the CPUs."""
-    cpus = sorted(os.sched_getaffinity(0))
-    mine = cpus[index::count] or cpus  # more shares than CPUs: share them all
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-    return mine
 
 
 def _build_runner(config: EngineConfig, info: Any, num_blocks: int,

@@ -150,12 +150,12 @@ class SamplingState:
         self.history[state.slot, n: n + len(ids)] = torch.tensor(ids, dtype=torch.long,
                                                                  device=self.device)
 
-    def add_draft_counts(self, meta: SamplingMetadata, row_slots: list[int],
+    def add_draft_counts(self, meta: SamplingMetadata,
                          row_prior_drafts: list[list[int]]) -> None:
         """Count, in each penalty row's gathered output counts, the drafts before that row.
 
-        ``row_slots[i]`` is row i's request slot and ``row_prior_drafts[i]`` the drafts
-        verified before row i (empty for a request's first row).
+        ``row_prior_drafts[i]`` are the drafts verified before row i (empty for a
+        request's first row).
         """
         pen = meta.penalties
         if pen is None:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
-from forerun.trace import WORKER_LANE
 from forerun.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, _StepState
 
 
@@ -141,22 +140,19 @@ class SimulatedModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
-        with self.tracer.span("prepare", WORKER_LANE, so.step_id):
-            self._update_states(so)
-            req_ids = list(so.num_scheduled_tokens)
-            if not req_ids:
-                self._step = _StepState([], [], None, None, so.step_id)
-                self._sampled = []
-                return
-            inputs = self._prepare_inputs(so, req_ids)
-        meta, sample_req_ids = inputs[2], inputs[4]
+        inputs = self._prepare(so)
+        if inputs is None:
+            self._sampled = []
+            return
+        meta = inputs.meta
         t = step_time_s(self.device_spec, self.shape, meta.num_tokens, meta.seq_lens)
         self.simulated_device_s += t
         start = max(time.perf_counter(), self._device_free_at)
         self._device_free_at = self._step_done_at = start + t
         # (request, position of the token it samples), for sample_tokens.
-        self._sampled = [(r, self.requests[r].last_sampled_pos) for r in sample_req_ids]
-        self._step = _StepState(req_ids, sample_req_ids, None, None, so.step_id)
+        self._sampled = [(r, self.requests[r].last_sampled_pos) for r in inputs.sample_req_ids]
+        self._step = _StepState(list(inputs.num_tokens_of), inputs.sample_req_ids, None, None,
+                                so.step_id)
 
     def sample_tokens(self, grammar_bitmask: object | None = None) -> _DeviceResult:
         step = self._step
