@@ -57,6 +57,9 @@ class EngineConfig:
     data_parallel_rank: int = 0
     # Tensor parallel: each engine's model split over this many processes (vLLM's name).
     tensor_parallel_size: int = 1
+    # Pipeline parallel: the layers split in this many contiguous stages, one process group
+    # of tensor_parallel_size ranks each; the batch queue is this deep (+ 1 with async).
+    pipeline_parallel_size: int = 1
     # The tensor-parallel ranks spread over machines: node 0 runs the engine and its share
     # of the ranks; every other node runs only ranks (``forerun serve --node-rank k``).
     # The rendezvous is master_addr:master_port (else MASTER_ADDR / MASTER_PORT, else this
@@ -81,19 +84,28 @@ class EngineConfig:
         resolve_async_mode(self.async_scheduling)  # validates
         check_int("data_parallel_size", self.data_parallel_size, 1, 1 << 16)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1 << 16)
+        check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1, 1 << 16)
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
                              f"{self.node_rank}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"nnodes={self.nnodes} must divide tensor_parallel_size="
-                             f"{self.tensor_parallel_size} (each node runs as many ranks)")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must divide tensor_parallel_size * "
+                             f"pipeline_parallel_size={self.world_size} (each node runs as "
+                             "many ranks)")
+        if self.pipeline_parallel_size > 1:
+            for what, bad in (("quantization", self.quantization is not None),
+                              ("speculative_config", bool(self.speculative_config))):
+                if bad:
+                    raise ValueError(f"pipeline_parallel_size > 1 does not support {what} "
+                                     "yet; drop one of them")
         if self.nnodes > 1 and self.data_parallel_size > 1:
             raise ValueError("nnodes: data parallel runs on one machine; use nnodes=1")
         if self.nnodes > 1 and self.rendezvous()[1] is None:
             raise ValueError("master_port (or MASTER_PORT) is needed when nnodes > 1, so that "
                              "every node finds the same rendezvous")
-        if self.tensor_parallel_size > 1 and self.simulated_device is not None:
-            raise ValueError("tensor_parallel_size: the simulated device runs one process")
+        if self.world_size > 1 and self.simulated_device is not None:
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size: the simulated "
+                             "device runs one process")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_rank!r}")
@@ -104,6 +116,11 @@ class EngineConfig:
             parse_simulated_device(self.simulated_device)
             if self.speculative_config:
                 raise ValueError("simulated_device: speculative decoding needs the real model")
+
+    @property
+    def world_size(self) -> int:
+        """Processes that run one engine's model: tensor x pipeline parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def rendezvous(self) -> tuple[str, int | None]:
         """(address, port) where the tensor-parallel ranks meet; port None = any free one."""
@@ -135,20 +152,27 @@ class EngineConfig:
         return dt
 
     def resolve_async(self) -> tuple[bool, int, str]:
-        """Return (async on, queue depth, why) for this configuration."""
+        """Return (async on, queue depth, why) for this configuration.
+
+        The default depth is one step per pipeline stage, so that every stage has a step,
+        plus one with async scheduling, so that the next step is already scheduled when
+        the first stage frees up (the seed's ``max_concurrent_batches``).
+        """
         mode = resolve_async_mode(self.async_scheduling)
         depth = self.max_concurrent_batches
+        pp = self.pipeline_parallel_size
         if mode == "off":
-            if depth not in (None, 1):
-                raise ValueError("max_concurrent_batches > 1 needs async scheduling")
-            return False, 1, "turned off by the user"
+            if depth not in (None, 1) and pp == 1:
+                raise ValueError("max_concurrent_batches > 1 needs async scheduling (or "
+                                 "pipeline_parallel_size > 1)")
+            return False, depth or pp, "turned off by the user"
         if depth == 1:
             if mode == "on":
                 raise ValueError("async scheduling needs max_concurrent_batches >= 2")
             return False, 1, "max_concurrent_batches=1 leaves nothing to overlap"
         why = "requested" if mode == "on" else (
             "auto: nothing in use needs the previous step's token before the next forward")
-        return True, depth or 2, why
+        return True, depth or pp + 1, why
 
     def kv_cache_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory_bytes is not None:

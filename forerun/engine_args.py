@@ -41,8 +41,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="gguf (compute with a GGUF's quantized blocks) or int8")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split each engine's model over this many processes (torch.distributed)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split each engine's layers into this many stages, one process "
+                        "group each (torch.distributed)")
     g.add_argument("--nnodes", type=int, default=1,
-                   help="machines the tensor-parallel ranks spread over")
+                   help="machines the engine's ranks spread over")
     g.add_argument("--node-rank", type=int, default=0,
                    help="this machine's index; nodes other than 0 run ranks only")
     g.add_argument("--master-addr", default=None,
@@ -63,12 +66,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build an EngineConfig from parsed ``add_engine_args`` flags; ValueError if invalid.
 
     Under a launcher that starts one process per rank (``torchrun``: RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) with ``--tensor-parallel-size`` equal to WORLD_SIZE and no
+    MASTER_ADDR, MASTER_PORT) with tensor x pipeline parallel size equal to WORLD_SIZE and no
     ``--nnodes``, each process is one "node" of one rank: RANK 0 runs the engine.
     """
     launched = envs.launcher_rank()
     if (launched is not None and launched[1] > 1 and args.nnodes == 1
-            and args.tensor_parallel_size == launched[1]):
+            and args.tensor_parallel_size * args.pipeline_parallel_size == launched[1]):
         args.node_rank, args.nnodes = launched
     return EngineConfig(
         model=args.model,
@@ -91,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         simulated_device=args.simulated_device,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,

@@ -39,6 +39,9 @@ class SchedulerConfig:
     defer_block_free: bool = False
     # Speculative decoding: the most drafts a request verifies per step (0 = off).
     num_speculative_tokens: int = 0
+    # Pipeline stages: each step takes about 1/pp of the requests, so the stages work on
+    # different requests at once (see Scheduler._pipeline_skips).
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(slots=True)
@@ -180,8 +183,26 @@ class Scheduler:
                    - request.num_output_placeholders, self.max_model_len - ahead) - 1
         request.num_spec_tokens = max(0, min(request.num_spec_tokens, room))
 
+    def _pipeline_skips(self, request: Request) -> bool:
+        """With pipeline stages, leave out a request whose last sample comes from one of the
+        newest ``pp - 1`` steps: the first stage would have to wait for that sample, which
+        the last stage has not produced yet. ``pp`` steps later it is there (with async
+        scheduling still as a placeholder the first stage fills from the received output).
+        """
+        pp = self.config.pipeline_parallel_size
+        return (pp > 1 and request.num_output_placeholders > 0
+                and self.sched_step_seq + 1 - request.last_sched_seq < pp)
+
+    def _max_reqs_per_step(self) -> int:
+        """About 1/pp of the requests per step, so that pp steps in flight hold them all."""
+        pp = self.config.pipeline_parallel_size
+        if pp == 1:
+            return self.config.max_num_seqs
+        return max(1, cdiv(len(self.running) + len(self.waiting), pp))
+
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
+        max_reqs = self._max_reqs_per_step()
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[int]] = {}
         spec_of: dict[str, int] = {}
@@ -191,9 +212,10 @@ class Scheduler:
 
         # Pass 1: running requests, in order.
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while (req_index < len(self.running) and token_budget > 0
+               and len(num_scheduled) < max_reqs):
             request = self.running[req_index]
-            if self._is_output_surely_done(request):
+            if self._is_output_surely_done(request) or self._pipeline_skips(request):
                 req_index += 1
                 continue
             self._clamp_spec_tokens(request)
@@ -244,6 +266,7 @@ class Scheduler:
                 self.waiting
                 and token_budget > 0
                 and len(self.running) < self.config.max_num_seqs
+                and len(num_scheduled) < max_reqs
             ):
                 request = self.waiting[0]
                 if request.num_stale_output_tokens:
@@ -531,6 +554,10 @@ class Scheduler:
             if grammar is not None and event == GrammarEvent.TERMINATED:
                 # The grammar accepted its stop token (possible with ignore_eos).
                 request.status = RequestStatus.FINISHED_STOPPED
+                return new_token_ids[: i + 1], True
+            if grammar is not None and event == GrammarEvent.CLOSED:
+                # The budget-aware ending completed the JSON: max_tokens ended the output.
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 return new_token_ids[: i + 1], True
         return new_token_ids, False
 

@@ -1,8 +1,10 @@
-"""The process group of this process and the collectives the model needs.
+"""The process groups of this process and the collectives the model needs.
 
-One tensor-parallel group per engine. Ranks find each other over TCP at
-``master_addr:master_port`` (the standard ``torch.distributed`` rendezvous), so the same
-code runs ranks as local processes or on several machines.
+One engine's model runs on ``tensor_parallel_size * pipeline_parallel_size`` ranks: rank
+``stage * tp + tp_rank``. Each pipeline stage is one tensor-parallel group; hidden states go
+from a stage's rank to the next stage's rank of the same ``tp_rank``. Ranks find each other
+over TCP at ``master_addr:master_port`` (the standard ``torch.distributed`` rendezvous), so
+the same code runs ranks as local processes or on several machines.
 """
 
 from __future__ import annotations
@@ -25,41 +27,87 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 @dataclass(slots=True)
 class TensorParallelGroup:
-    """This process's place in its tensor-parallel group."""
+    """This process's place in its tensor-parallel group (one pipeline stage's ranks)."""
 
     rank: int
     size: int
+    # None: the default group (every rank of the engine is in this group).
+    group: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
+    def all_gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> None:
+        dist.all_gather(parts, x, group=self.group)
 
-_group: TensorParallelGroup | None = None
+
+@dataclass(slots=True)
+class PipelineParallelGroup:
+    """This process's pipeline stage and the ranks it talks to.
+
+    Besides the default group (the hidden-state sends, on each rank's worker thread), two
+    communicators over every rank, each used from a thread of its own on the first rank,
+    so that neither makes the first stage wait for a later one: ``control_group`` carries
+    each call the engine makes to every rank (a gloo broadcast returns only once every rank
+    has received it), ``output_group`` the sampled output from the last stage back to the
+    first.
+    """
+
+    stage: int
+    size: int
+    tp_rank: int
+    tp_size: int
+    control_group: dist.ProcessGroup | None = None
+    output_group: dist.ProcessGroup | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def global_rank(self, stage: int) -> int:
+        """The rank of ``stage`` that holds this rank's ``tp_rank``."""
+        return stage * self.tp_size + self.tp_rank
 
 
-def init_tensor_parallel(rank: int, size: int, master_addr: str, master_port: int,
-                         device: torch.device) -> TensorParallelGroup:
-    """Join the group (blocks until every rank has); gloo on CPU, NCCL on CUDA."""
-    global _group
+def init_model_parallel(rank: int, tp_size: int, pp_size: int, master_addr: str,
+                        master_port: int, device: torch.device
+                        ) -> tuple[TensorParallelGroup, PipelineParallelGroup]:
+    """Join the engine's ranks (blocks until every rank has); gloo on CPU, NCCL on CUDA."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    world = tp_size * pp_size
     # Under torchrun the agent serves the store at MASTER_ADDR:MASTER_PORT already.
     init = "env://" if envs.elastic_agent_store() else f"tcp://{master_addr}:{master_port}"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size,
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
-    _group = TensorParallelGroup(rank, size)
-    logger.info("tensor-parallel rank %d of %d (%s, %s:%d)", rank, size, backend,
+    stage, tp_rank = divmod(rank, tp_size)
+    tp_group = control_group = output_group = None
+    if pp_size > 1:
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        for s in range(pp_size):
+            g = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)),
+                               timeout=COLLECTIVE_TIMEOUT)
+            if s == stage:
+                tp_group = g
+        control_group = dist.new_group(list(range(world)), timeout=COLLECTIVE_TIMEOUT)
+        output_group = dist.new_group(list(range(world)), timeout=COLLECTIVE_TIMEOUT)
+    logger.info("rank %d of %d: pipeline stage %d of %d, tensor-parallel rank %d of %d "
+                "(%s, %s:%d)", rank, world, stage, pp_size, tp_rank, tp_size, backend,
                 master_addr, master_port)
-    return _group
+    return (TensorParallelGroup(tp_rank, tp_size, tp_group),
+            PipelineParallelGroup(stage, pp_size, tp_rank, tp_size, control_group,
+                                  output_group))
 
 
-def destroy_tensor_parallel() -> None:
-    global _group
+def destroy_model_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-    _group = None
 
 
 def free_port() -> int:

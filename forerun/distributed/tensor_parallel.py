@@ -13,7 +13,6 @@ joins them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -76,7 +75,7 @@ class VocabParallelHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.proj(hidden).float().contiguous()
         parts = [torch.empty_like(local) for _ in range(self.group.size)]
-        dist.all_gather(parts, local)
+        self.group.all_gather(parts, local)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
@@ -129,13 +128,18 @@ def shard_model(model: nn.Module, group: TensorParallelGroup) -> None:
         mlp.intermediate_size = inter
         dw = mlp.down_proj.weight
         mlp.down_proj = RowParallel(dw[:, rank * inter:(rank + 1) * inter], None, group)
-    emb = VocabParallelEmbedding(model.model.embed_tokens.weight, group)
-    model.model.embed_tokens = emb
-    if model.lm_head is None:  # tied: the head reads the embedding's rows
-        head_rows = emb.weight
-    else:
-        head_rows = VocabParallelEmbedding(model.lm_head.weight, group).weight
-        model.lm_head = None
-    model.tp_head = VocabParallelHead(head_rows, model.config.vocab_size, group)
+    stage = model.pp_stage
+    emb = None
+    if model.model.embed_tokens is not None:  # a middle pipeline stage has none
+        emb = VocabParallelEmbedding(model.model.embed_tokens.weight, group)
+        model.model.embed_tokens = emb
+    if stage is None or stage.is_last:
+        if model.lm_head is None:  # tied: the head reads the embedding's rows
+            assert emb is not None
+            head_rows = emb.weight
+        else:
+            head_rows = VocabParallelEmbedding(model.lm_head.weight, group).weight
+            model.lm_head = None
+        model.tp_head = VocabParallelHead(head_rows, model.config.vocab_size, group)
     # The one-call small-batch path has no all-reduce between its layers.
     model.small_batch.available = False

@@ -14,6 +14,7 @@ from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
 from forerun.core.kv_cache_manager import KVCacheManager
 from forerun.core.scheduler import Scheduler, SchedulerConfig
+from forerun.distributed.pipeline_parallel import check_pipeline_parallel
 from forerun.distributed.tensor_parallel import check_tensor_parallel
 from forerun.engine.core import EngineCore
 from forerun.model.config import ModelConfig
@@ -124,6 +125,7 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
         max_model_len=info.max_model_len,
         defer_block_free=defer,
         num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0,
+        pipeline_parallel_size=config.pipeline_parallel_size,
     )
     if spec_config is not None:
         logger.info("speculative decoding: %s, %d drafts per step", spec_config.method,
@@ -145,8 +147,9 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
                            vocab_size=mc.vocab_size, speculative_config=spec_config)
 
-    if config.tensor_parallel_size > 1:
+    if config.world_size > 1:
         check_tensor_parallel(mc, config.tensor_parallel_size)
+        check_pipeline_parallel(mc, config.pipeline_parallel_size)
         executor: Executor | MultiprocExecutor = MultiprocExecutor(
             config, info, num_blocks, tracer, spec_config)
     else:

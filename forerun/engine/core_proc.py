@@ -155,7 +155,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         # process decides when we stop (after draining), and we exit if it dies.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if config.data_parallel_size > 1 and config.tensor_parallel_size == 1:
+        if config.data_parallel_size > 1 and config.world_size == 1:
             cpus = take_cpu_share(config.data_parallel_rank, config.data_parallel_size)
             logger.info("data-parallel rank %d of %d on CPUs %s", config.data_parallel_rank,
                         config.data_parallel_size, cpus)

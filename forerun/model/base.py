@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,6 +12,9 @@ from torch import nn
 from forerun.model.attention import AttentionMetadata, KVCache
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from forerun.distributed.pipeline_parallel import PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +32,8 @@ class CausalLM(nn.Module):
     config: ModelConfig
     # Bytes of weights held (every form, each storage once); set by the loader.
     resident_weight_bytes: int = 0
+    # Pipeline parallel: the layers this model holds (None: all of them); set by the loader.
+    pp_stage: PipelineStage | None = None
 
     def forward(
         self,
@@ -35,8 +41,14 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` for the flat batch ``input_ids``/``positions`` ``[T]``."""
+        """Hidden states ``[T, hidden]`` for the flat batch ``input_ids``/``positions`` ``[T]``.
+
+        A pipeline stage other than the first starts from the previous stage's
+        ``intermediate`` (``[2, T, hidden]``: hidden state and residual) instead of the ids;
+        a stage other than the last returns its own ``intermediate``.
+        """
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +164,14 @@ class GGUFCacheEntry:
         name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
         return self.folder / f"weights.{name}.safetensors"
 
-    def load_weights(self, model: torch.nn.Module) -> bool:
+    def load_weights(self, model: torch.nn.Module,
+                     rename: Callable[[str], str | None] | None = None) -> bool:
         """Fill ``model``'s parameters from the cache; ``False`` (model untouched or partly
-        written, to be fully overwritten by the slow path) when there is no usable entry."""
+        written, to be fully overwritten by the slow path) when there is no usable entry.
+
+        ``rename`` maps a cached (whole-model) name to the model's own, or to None for a
+        tensor the model does not hold (a pipeline stage's model holds some layers only).
+        """
         param = next(model.parameters())
         path = self.weights_path(param.dtype)
         if not path.is_file():
@@ -174,6 +180,9 @@ class GGUFCacheEntry:
             params = dict(model.named_parameters())
             # load_file maps the file; the copy below is the only pass over the data.
             tensors = load_file(path)
+            if rename is not None:
+                renamed = ((rename(n), t) for n, t in tensors.items())
+                tensors = {n: t for n, t in renamed if n is not None and n in params}
             if set(tensors) != set(params):
                 extra, missing = set(tensors) - set(params), set(params) - set(tensors)
                 raise ModelLoadError(

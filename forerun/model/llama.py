@@ -153,15 +153,22 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
         rotary = self.rotary.tables(positions)
-        if self.small_batch.applies(x) and len(self.model.layers) > 0:
-            return self.small_batch.forward(x, rotary.cos_half, rotary.sin_half, kv_caches,
-                                            attn_metadata)
         residual: torch.Tensor | None = None
+        if intermediate is None:
+            x = self.model.embed_tokens(input_ids)
+            if self.small_batch.applies(x) and len(self.model.layers) > 0:
+                return self.small_batch.forward(x, rotary.cos_half, rotary.sin_half,
+                                                kv_caches, attn_metadata)
+        else:
+            x, residual = intermediate[0], intermediate[1]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rotary, kv_cache, attn_metadata)
+        if self.pp_stage is not None and not self.pp_stage.is_last:
+            assert residual is not None  # every stage holds at least one layer
+            return torch.stack([x, residual])
         if residual is None:  # a model without layers
             return self.model.norm(x)
         return self.model.norm.forward_with_residual(x, residual)[0]
@@ -189,7 +196,8 @@ class LlamaForCausalLM(CausalLM):
         else:
             self.small_batch.available = False
         n = prepack_linears(self)
-        if self.lm_head is None and self.quant_head is None and self.tp_head is None:
+        is_last = self.pp_stage is None or self.pp_stage.is_last
+        if is_last and self.lm_head is None and self.quant_head is None and self.tp_head is None:
             self.packed_tied_head = PackedLinear(self.model.embed_tokens.weight, None)
             n += 1
         return n

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from forerun.distributed.parallel_state import TensorParallelGroup
+from forerun.distributed.pipeline_parallel import PipelineStage, prune_to_stage, stage_weights
 from forerun.distributed.tensor_parallel import shard_model
 from forerun.model.base import CausalLM
 from forerun.model.cache import GGUFCacheEntry
@@ -127,27 +128,37 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
 def load_model(
     source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     quantization: str | None = None, tensor_parallel: TensorParallelGroup | None = None,
+    pipeline_stage: PipelineStage | None = None,
 ) -> CausalLM:
     """Build the model for ``config`` on ``device`` in ``dtype`` and load its weights;
     ``quantization`` (None, "gguf" or "int8": :mod:`forerun.model.quant`) picks how the
     linear weights are held; with ``tensor_parallel`` the model keeps this rank's share
-    (:mod:`forerun.distributed.tensor_parallel`)."""
+    (:mod:`forerun.distributed.tensor_parallel`), with ``pipeline_stage`` only that stage's
+    layers (:mod:`forerun.distributed.pipeline_parallel`)."""
     quantization = validate_quantization(quantization)
     cls = get_model_class(config.architecture)
     # Build on the meta device so no time is spent on random init that weights overwrite.
     with torch.device("meta"):
         model = cls(config)
+    if pipeline_stage is not None:
+        if quantization is not None:
+            raise ValueError("pipeline_parallel_size > 1 runs unquantized weights only; "
+                             f"got quantization={quantization!r}")
+        prune_to_stage(model, pipeline_stage)
     model = model.to(dtype=dtype).to_empty(device=device)
     entry = GGUFCacheEntry.for_source(source)
+    rename = pipeline_stage.local_name if pipeline_stage is not None else None
     if quantization == "gguf":
         # The cache holds dequantized weights; here the blocks come from the file itself.
         _load_gguf_blocks(model, source, dtype, device)
-    elif entry is not None and entry.load_weights(model):
+    elif entry is not None and entry.load_weights(model, rename):
         logger.info("weights of %s read from the cache %s", source.name, entry.folder)
     else:
         weights, total = _weights(source)
+        if pipeline_stage is not None:
+            weights = stage_weights(model, pipeline_stage, weights)
         model.load_weights(_with_progress(weights, total, source.name))
-        if entry is not None:
+        if entry is not None and pipeline_stage is None:  # the cache holds whole models
             entry.save_weights(model)
     model.eval()
     if tensor_parallel is not None and tensor_parallel.size > 1:

@@ -192,7 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = server_config_from_args(args)
         config = config_from_args(args)
         if config.node_rank > 0:
-            # A worker node: its tensor-parallel ranks only; node 0 serves the API.
+            # A worker node: its ranks only; node 0 serves the API.
             return run_worker_node(config)
         engine = AsyncLLM(config, engine_process=args.engine_process,
                           max_waiting_requests=server_config.max_waiting_requests,

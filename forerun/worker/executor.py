@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
 from forerun.worker.cpu_threads import CallerThreadsGuard
-from forerun.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from forerun.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ def run_on_worker_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 class _ResolvedFuture(Future):
-    """Resolves an async (device -> host) output on ``result()`` in the caller's thread."""
+    """Resolves a deferred output (device -> host copy, or the last pipeline stage's) on
+    ``result()`` in the caller's thread."""
 
     def __init__(self, inner: Future) -> None:
         super().__init__()
@@ -49,10 +50,15 @@ class _ResolvedFuture(Future):
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:  # type: ignore[override]
         out = self._inner.result(timeout)
-        return out.get_output() if isinstance(out, AsyncModelRunnerOutput) else out
+        return out if isinstance(out, ModelRunnerOutput) else out.get_output()
 
     def done(self) -> bool:
-        return self._inner.done()
+        if not self._inner.done():
+            return False
+        if self._inner.exception() is not None:
+            return True
+        out = self._inner.result()
+        return isinstance(out, ModelRunnerOutput) or getattr(out, "done", lambda: True)()
 
 
 class Executor:

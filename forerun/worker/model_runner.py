@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from forerun.worker.rejection_sampler import verify
 from forerun.worker.request_state import CachedRequestState
 from forerun.worker.sampler import Sampler, SamplerOutput, compute_logprobs, process_logits
 from forerun.worker.sampling_state import SamplingState
+
+if TYPE_CHECKING:
+    from forerun.worker.pipeline import PipelineComm
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,12 @@ class _StepInputs:
     sample_slots: torch.Tensor
     drafts: list[list[int]] | None  # with a drafter: per sampling request, its drafts
     num_tokens_of: dict[str, int]  # tokens computed per request (drafts found, not reserved)
+
+
+class DeferredOutput(Protocol):
+    """A step's output that is not on the host yet; ``get_output`` waits for it."""
+
+    def get_output(self) -> ModelRunnerOutput: ...
 
 
 class AsyncModelRunnerOutput:
@@ -134,8 +144,11 @@ class ModelRunner:
         tracer: Tracer | None = None,
         vocab_size: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        pipeline: PipelineComm | None = None,
     ) -> None:
         self.model = model
+        # Pipeline parallel: this runner is one stage (forerun/worker/pipeline.py).
+        self.pipeline = pipeline
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -233,7 +246,15 @@ class ModelRunner:
         if inputs is None:
             return
         with self.tracer.span("forward", WORKER_LANE, so.step_id):
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if self.pipeline is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.meta)
+            else:
+                hidden = self._forward_stage(self.pipeline, inputs)
+                if hidden is None:  # not the last stage: no logits here
+                    self._step = _StepState(list(inputs.num_tokens_of), inputs.sample_req_ids,
+                                            inputs.sample_slots, None, so.step_id)
+                    return
             logits = (self.model.compute_logits(hidden[inputs.logits_rows])
                       if inputs.sample_req_ids else None)
             prompt_lps = self._prompt_logprobs(inputs.num_tokens_of, hidden)
@@ -241,9 +262,39 @@ class ModelRunner:
                                 inputs.sample_slots, logits, so.step_id, prompt_lps,
                                 inputs.drafts)
 
+    def _forward_stage(self, pp: PipelineComm, inputs: _StepInputs) -> torch.Tensor | None:
+        """One pipeline stage's share of the forward: the last stage's hidden states, or
+        None after sending this stage's intermediate on."""
+        intermediate = None if pp.is_first else pp.recv_intermediate(len(inputs.input_ids))
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                         intermediate)
+        if pp.is_last:
+            return out
+        pp.send_intermediate(out)
+        return None
+
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: object | None = None
-                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+                      ) -> ModelRunnerOutput | DeferredOutput:
+        pp = self.pipeline
+        if pp is None:
+            return self._sample_tokens(grammar_bitmask)
+        if not pp.is_last:
+            step = self._step
+            assert step is not None, "sample_tokens without execute_model"
+            self._step = None
+            if not pp.is_first:
+                return _make_output(step.req_ids, [], [])
+            slots = step.sample_slots.tolist() if step.sample_slots is not None else []
+            return pp.expect_output(step.sample_req_ids, slots)
+        out = self._sample_tokens(grammar_bitmask)
+        if not isinstance(out, ModelRunnerOutput):
+            out = out.get_output()
+        pp.send_output(out)
+        return out
+
+    def _sample_tokens(self, grammar_bitmask: object | None
+                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         step = self._step
         assert step is not None, "sample_tokens without execute_model"
         self._step = None
@@ -353,6 +404,7 @@ class ModelRunner:
         sample_slots: list[int] = []
         fill_rows: list[int] = []  # flat rows whose input is a sample still on the device
         fill_slots: list[int] = []
+        fill_req_ids: list[str] = []
         tables: list[list[int]] = []
         spec = so.scheduled_spec_decode_tokens
         step_drafts: list[list[int]] | None = [] if self.drafter is not None else None
@@ -385,6 +437,7 @@ class ModelRunner:
                 assert state.last_sampled_pos == end - 1, (req_id, state.last_sampled_pos, end)
                 fill_rows.append(row0 + n - 1)
                 fill_slots.append(state.slot)
+                fill_req_ids.append(req_id)
             positions.extend(range(start, end))
             blocks = state.block_ids
             if n == 1:
@@ -406,6 +459,11 @@ class ModelRunner:
                     step_drafts.append(drafts)
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        if fill_rows and self.pipeline is not None:
+            if not self.pipeline.is_first:  # the ids are the first stage's input only
+                fill_rows = []
+            else:  # the samples come from the last stage: wait for the ones fed here
+                self.pipeline.apply_outputs(self.last_sampled, set(fill_req_ids))
         if fill_rows:
             rows = torch.tensor(fill_rows, dtype=torch.long, device=dev)
             input_ids[rows] = self.last_sampled[torch.tensor(fill_slots, device=dev)]

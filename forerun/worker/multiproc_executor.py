@@ -1,11 +1,16 @@
-"""Tensor parallel execution: rank 0 on the engine's worker thread, one process per other rank.
+"""Multi-process execution: rank 0 on the engine's worker thread, one process per other rank.
 
+``tensor_parallel_size * pipeline_parallel_size`` ranks; rank ``stage * tp + tp_rank``.
 Every call the engine makes (``execute_model``, ``sample_tokens``) is broadcast to all ranks
 before rank 0 runs it, so every rank runs the same steps in the same order; the model's
-all-reduces meet inside the forward. Every rank samples (same seeds, same keys), so each
-holds the sampled ids its next step's input needs; only rank 0's output goes back to the
-scheduler. A rank that dies makes the next collective fail within the collective timeout,
-which fails the step and stops the engine; ranks exit when their parent goes.
+all-reduces meet inside the forward, and pipeline stages pass hidden states on
+(forerun/worker/pipeline.py). With tensor parallel alone every rank samples (same seeds,
+same keys), so each holds the sampled ids its next step's input needs, and rank 0's output
+goes back to the scheduler; with pipeline stages the last stage samples and sends its
+output to the first, and the broadcast runs on a thread of its own so that the first stage
+never waits for a later one to take the next step. A rank that dies makes the next
+collective fail within the collective timeout, which fails the step and stops the engine;
+ranks exit when their parent goes.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,34 +31,60 @@ import torch.distributed as dist
 from forerun.config import EngineConfig
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
 from forerun.distributed.parallel_state import (
-    TensorParallelGroup,
-    destroy_tensor_parallel,
+    destroy_model_parallel,
     free_port,
-    init_tensor_parallel,
+    init_model_parallel,
 )
+from forerun.distributed.pipeline_parallel import stage_layers
 from forerun.model.loader import load_model
 from forerun.spec_decode.config import SpeculativeConfig
 from forerun.trace import Tracer
 from forerun.worker.cpu_threads import CallerThreadsGuard, take_cpu_share
 from forerun.worker.executor import _ResolvedFuture, worker_thread
 from forerun.worker.model_runner import ModelRunner
+from forerun.worker.pipeline import PipelineComm
 
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN = "shutdown"
 
 
-def _build_runner(config: EngineConfig, info: Any, num_blocks: int,
-                  group: TensorParallelGroup, tracer: Tracer | None,
-                  spec_config: SpeculativeConfig | None) -> ModelRunner:
+def _build_runner(config: EngineConfig, info: Any, num_blocks: int, rank: int, addr: str,
+                  port: int, tracer: Tracer | None, spec_config: SpeculativeConfig | None
+                  ) -> ModelRunner:
+    """Join the engine's ranks, load this rank's share of the model, build its runner."""
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
     mc = info.model_config
-    model = load_model(info.source, mc, dtype, device, config.quantization, group)
-    return ModelRunner(model, num_blocks, config.block_size,
-                       mc.num_key_value_heads // group.size, mc.head_dim,
-                       mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
-                       vocab_size=mc.vocab_size, speculative_config=spec_config)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    tp_group, pp_group = init_model_parallel(rank, tp, pp, addr, port, device)
+    stage = stage_layers(mc.num_hidden_layers, pp, pp_group.stage) if pp > 1 else None
+    model = load_model(info.source, mc, dtype, device, config.quantization, tp_group, stage)
+    pipeline = PipelineComm(pp_group, mc.hidden_size, dtype, device) if pp > 1 else None
+    return ModelRunner(model, num_blocks, config.block_size, mc.num_key_value_heads // tp,
+                       mc.head_dim,
+                       stage.num_stage_layers if stage is not None else mc.num_hidden_layers,
+                       dtype, device, config.max_num_seqs, tracer, vocab_size=mc.vocab_size,
+                       speculative_config=spec_config, pipeline=pipeline)
+
+
+def _control_group(runner: ModelRunner) -> dist.ProcessGroup | None:
+    return runner.pipeline.group.control_group if runner.pipeline is not None else None
+
+
+def _send_call(payload: bytes, group: dist.ProcessGroup | None) -> None:
+    """Rank 0: one call to every rank (``group`` None: the default group)."""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dist.broadcast(torch.tensor([len(payload)], dtype=torch.long), src=0, group=group)
+    dist.broadcast(data, src=0, group=group)
+
+
+def _recv_call(group: dist.ProcessGroup | None) -> tuple[str, tuple]:
+    size = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return pickle.loads(data.numpy().tobytes())
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -62,31 +94,31 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int, size: int,
+def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int,
                addr: str, port: int, parent_pid: int,
                spec_config: SpeculativeConfig | None, cpu_share: tuple[int, int]) -> None:
     """A rank other than 0: join the group, load its shard, then run what rank 0 sends."""
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s [tp-rank-{rank}] %(name)s: "
+                        format=f"%(asctime)s %(levelname)s [rank-{rank}] %(name)s: "
                                "%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     take_cpu_share(*cpu_share)
     torch.manual_seed(config.seed)  # the same unseeded keys as rank 0
-    group = init_tensor_parallel(rank, size, addr, port, config.resolve_device())
-    runner = _build_runner(config, info, num_blocks, group, None, spec_config)
+    runner = _build_runner(config, info, num_blocks, rank, addr, port, None, spec_config)
+    group = _control_group(runner)
     try:
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0)
-            method, args = box[0]
+            method, args = _recv_call(group)
             if method == _SHUTDOWN:
                 return
             with torch.inference_mode():
                 getattr(runner, method)(*args)
     finally:
-        destroy_tensor_parallel()
+        if runner.pipeline is not None:
+            runner.pipeline.close()
+        destroy_model_parallel()
 
 
 def spawn_ranks(config: EngineConfig, info: Any, num_blocks: int, ranks: range,
@@ -94,9 +126,9 @@ def spawn_ranks(config: EngineConfig, info: Any, num_blocks: int, ranks: range,
                 share_indices: list[int], num_shares: int) -> list[Any]:
     """Start one process per rank in ``ranks`` (children of this process)."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, name=f"forerun-tp-rank-{r}", daemon=True,
-                         args=(config, info, num_blocks, r, config.tensor_parallel_size,
-                               addr, port, os.getpid(), spec_config, (share, num_shares)))
+    procs = [ctx.Process(target=_rank_main, name=f"forerun-rank-{r}", daemon=True,
+                         args=(config, info, num_blocks, r, addr, port, os.getpid(),
+                               spec_config, (share, num_shares)))
              for r, share in zip(ranks, share_indices, strict=True)]
     for p in procs:
         p.start()
@@ -117,7 +149,7 @@ def run_worker_node(config: EngineConfig) -> int:
     # Node 0 may lower max_model_len to fit its cache; every node computes the same.
     addr, port = config.rendezvous()
     assert port is not None  # EngineConfig requires it with nnodes > 1
-    local = config.tensor_parallel_size // config.nnodes
+    local = config.world_size // config.nnodes
     first = config.node_rank * local
     procs = spawn_ranks(config, info, num_blocks, range(first, first + local), addr, port,
                         _Spec.from_dict(config.speculative_config), list(range(local)), local)
@@ -134,12 +166,12 @@ def run_worker_node(config: EngineConfig) -> int:
 
 
 class MultiprocExecutor:
-    """The :class:`forerun.worker.executor.Executor` interface over ``tensor_parallel_size``
-    ranks (see the module docstring)."""
+    """The :class:`forerun.worker.executor.Executor` interface over the engine's ranks (see
+    the module docstring)."""
 
     def __init__(self, config: EngineConfig, info: Any, num_blocks: int, tracer: Tracer,
                  spec_config: SpeculativeConfig | None) -> None:
-        size = config.tensor_parallel_size
+        size = config.world_size
         self._threads_guard = CallerThreadsGuard()
         self._pool = worker_thread()
         self._closed = False
@@ -159,19 +191,33 @@ class MultiprocExecutor:
             self._saved_cpus = os.sched_getaffinity(0)
             self._saved_threads = torch.get_num_threads()
             take_cpu_share(config.data_parallel_rank * local, shares)
-            group = init_tensor_parallel(0, size, addr, port, config.resolve_device())
-            return _build_runner(config, info, num_blocks, group, tracer, spec_config)
+            return _build_runner(config, info, num_blocks, 0, addr, port, tracer, spec_config)
 
         try:
             self.runner: ModelRunner = self._pool.submit(init_rank0).result()
         except BaseException:
             self._kill_ranks()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s)", size,
+        # With pipeline stages the calls go out from a thread of their own, in order.
+        self._control = _control_group(self.runner)
+        self._sender = (ThreadPoolExecutor(1, thread_name_prefix="forerun-pp-control")
+                        if self._control is not None else None)
+        self._sent: Future[None] | None = None
+        logger.info("%d ranks (tensor parallel %d, pipeline parallel %d; pids %s)", size,
+                    config.tensor_parallel_size, config.pipeline_parallel_size,
                     [os.getpid(), *(p.pid for p in self._procs)])
 
+    def _broadcast(self, method: str, args: tuple) -> None:
+        payload = pickle.dumps((method, args))
+        if self._sender is None:
+            _send_call(payload, None)
+            return
+        if self._sent is not None and self._sent.done():
+            self._sent.result()  # a failed broadcast (a dead rank) fails this call
+        self._sent = self._sender.submit(_send_call, payload, self._control)
+
     def _call(self, method: str, *args: Any) -> Any:
-        dist.broadcast_object_list([(method, args)], src=0)
+        self._broadcast(method, args)
         return getattr(self.runner, method)(*args)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[None]:
@@ -190,15 +236,21 @@ class MultiprocExecutor:
             try:
                 # Ranks on other nodes are not ours to watch; a dead one fails this too.
                 if all(p.is_alive() for p in self._procs):
-                    dist.broadcast_object_list([(_SHUTDOWN, ())], src=0)
+                    self._broadcast(_SHUTDOWN, ())
+                    if self._sent is not None:
+                        self._sent.result(timeout=30)
             finally:
-                destroy_tensor_parallel()
+                if self.runner.pipeline is not None:
+                    self.runner.pipeline.close()
+                if self._sender is not None:
+                    self._sender.shutdown(wait=False, cancel_futures=True)
+                destroy_model_parallel()
                 os.sched_setaffinity(0, self._saved_cpus)
                 torch.set_num_threads(self._saved_threads)
         try:
             self._pool.submit(stop).result(timeout=30)
         except Exception as exc:
-            logger.warning("tensor-parallel shutdown: %s", exc)
+            logger.warning("multi-process shutdown: %s", exc)
         self._kill_ranks()
         self._threads_guard.restore()
 

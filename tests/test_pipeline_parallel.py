@@ -1,0 +1,155 @@
+"""Pipeline parallel over torch.distributed (gloo): the same tokens as one process.
+
+Oracle: the single-process engine on the same weights (float32), token for token, for
+greedy and seeded requests, sync (queue depth pp) and async (pp + 1), with preemption under
+KV pressure and prefix-cache hits; plus the process table (no rank outlives its engine),
+the error a dead stage gives, and the errors bad sizes give before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from forerun import LLM, SamplingParams
+from forerun.config import EngineConfig
+from forerun.distributed.pipeline_parallel import stage_layers
+from tests.conftest import assert_all_blocks_free
+from tests.server_harness import pid_alive
+from tests.test_tensor_parallel import rank_pids, run
+from tests.tiny_model import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_pp")
+    write_tiny_llama(folder, seed=7, num_layers=4)
+    return folder
+
+
+def kwargs(tiny_dir: Path, mode: str) -> dict:
+    return dict(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4,
+                async_scheduling=mode)
+
+
+@pytest.fixture(scope="module")
+def want(tiny_dir: Path) -> list[list[int]]:
+    one = LLM(**kwargs(tiny_dir, "off"))
+    try:
+        return run(one)
+    finally:
+        one.shutdown()
+
+
+@pytest.mark.parametrize("mode,pp,tp", [("off", 2, 1), ("on", 2, 1), ("on", 3, 1),
+                                        ("on", 2, 2)])
+def test_stages_give_the_tokens_of_one_process(tiny_dir, want, mode, pp, tp):
+    # A small pool: requests preempt each other while others' steps are in flight; the
+    # second run hits the prefix cache.
+    llm = LLM(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_gpu_blocks_override=14,
+              **kwargs(tiny_dir, mode))
+    try:
+        stats = llm.stats()
+        assert stats.async_scheduling == (mode == "on")
+        assert stats.max_concurrent_batches == pp + (mode == "on")
+        assert run(llm) == want
+        assert llm.stats().scheduler.num_preemptions > 0
+        hits = llm.stats().kv_cache.prefix_cache_hits
+        assert run(llm) == want  # the same prompts again: their full blocks are cached
+        assert llm.stats().kv_cache.prefix_cache_hits > hits
+        assert_all_blocks_free(llm)
+        assert len(rank_pids()) == pp * tp - 1
+    finally:
+        llm.shutdown()
+    assert rank_pids() == []
+
+
+def test_every_stage_is_busy_with_its_own_requests(tiny_dir):
+    """With async scheduling and depth pp + 1 the scheduler alternates the requests between
+    steps, so no step feeds a sample the last stage has not produced yet."""
+    llm = LLM(pipeline_parallel_size=2, **kwargs(tiny_dir, "on"))
+    try:
+        core = llm.llm_engine.engine_core
+        sched = core.scheduler
+        seen: list[set[str]] = []
+        schedule = sched.schedule
+
+        def spy():
+            so = schedule()
+            seen.append(set(so.num_scheduled_tokens))
+            return so
+
+        sched.schedule = spy
+        prompts = [{"prompt_token_ids": [i + 1, i + 2, i + 3]} for i in range(8)]
+        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+    finally:
+        llm.shutdown()
+    nonempty = [s for s in seen if s]
+    assert len(nonempty) >= 2 * 12
+    assert max(len(s) for s in nonempty) <= 4  # half of the 8 requests per step
+    for a, b in zip(seen, seen[1:], strict=False):
+        assert not a & b  # consecutive steps never share a request
+
+
+@pytest.mark.slow
+def test_default_model_in_two_stages_gives_the_same_tokens(llm_cache):
+    """SmolLM2 ties its output head to the embedding: the last stage keeps the rows."""
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in llm_cache().generate(prompts, params,
+                                                                 use_tqdm=False)]
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512,
+              pipeline_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
+def test_stage_layers_split_contiguously_with_the_longer_stages_first():
+    assert [(s.start_layer, s.end_layer) for s in
+            (stage_layers(30, 4, i) for i in range(4))] == [(0, 8), (8, 16), (16, 23),
+                                                            (23, 30)]
+    assert stage_layers(4, 4, 3).is_last and stage_layers(4, 4, 0).is_first
+    stage = stage_layers(30, 4, 1)
+    assert stage.local_name("model.layers.9.mlp.down_proj.weight") == \
+        "model.layers.1.mlp.down_proj.weight"
+    assert stage.local_name("model.layers.16.mlp.down_proj.weight") is None
+    assert stage.local_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_bad_sizes_are_refused_before_any_process_starts(tiny_dir):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=5 is more stages than"):
+        LLM(model=str(tiny_dir), pipeline_parallel_size=5)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        LLM(model=str(tiny_dir), pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not support "
+                                         "quantization"):
+        EngineConfig(model=str(tiny_dir), pipeline_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="nnodes=2 must divide"):
+        EngineConfig(pipeline_parallel_size=3, nnodes=2, master_port=1234)
+    assert rank_pids() == []
+
+
+def test_a_dead_stage_is_an_error_not_a_hang_and_leaves_no_process(tiny_dir):
+    llm = LLM(pipeline_parallel_size=2, **kwargs(tiny_dir, "on"))
+    try:
+        (pid,) = rank_pids()
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - gloo's error type varies by cause
+            run(llm)
+        assert time.monotonic() - start < 90
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 15
+    while pid_alive(pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert rank_pids() == []
