@@ -1,58 +1,127 @@
-"""The ``forerun`` command line, run as a user would."""
+"""The ``forerun`` command line, run as a user would.
+
+Each command is a fresh interpreter that imports torch (and most load the model); the
+module starts every selected test's command at once, when its first test runs, so that
+they run side by side instead of one after another.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from forerun import SamplingParams
 
+MISSING = Path(tempfile.gettempdir()) / "forerun-test-cli-missing-model" / "nope"
+MODEL_ARGS = ("--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
+              "--max-model-len", "1024")
+DRAFTS_PROMPT = "Repeat after me: one two three four five six. Again: one two three"
+# Each test's command line and standard input.
+COMMANDS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "test_bad_sampling_flag_is_a_one_line_error_not_a_traceback": (
+        ("generate", "Hi", "--temperature", "-1"), None),
+    "test_missing_model_path_is_a_one_line_error": (
+        ("generate", "Hi", "--model", str(MISSING)), None),
+    "test_generate_prints_the_same_greedy_text_as_the_offline_api": (
+        ("generate", "The capital of France is", "--max-tokens", "10", *MODEL_ARGS), None),
+    "test_chat_answers_each_line_and_ends_on_eof": (
+        ("chat", "--max-tokens", "12", *MODEL_ARGS), "What is the capital of France?\n"),
+    "test_bad_speculative_config_is_a_one_line_error": (
+        ("generate", "Hi", "--speculative-config",
+         '{"method": "medusa", "num_speculative_tokens": 2}'), None),
+    "test_generate_with_drafts_prints_the_same_greedy_text": (
+        ("generate", DRAFTS_PROMPT, "--max-tokens", "16", *MODEL_ARGS,
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'), None),
+}
 
-def forerun(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "forerun.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=300)
+
+class Run:
+    """``python -m forerun.cli *args`` started now; :meth:`result` waits for it."""
+
+    def __init__(self, args: tuple[str, ...], stdin: str | None, folder: Path) -> None:
+        self.args = [sys.executable, "-m", "forerun.cli", *args]
+        self.out = (folder / "stdout").open("w+", encoding="utf-8")
+        self.err = (folder / "stderr").open("w+", encoding="utf-8")
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=self.out,
+                                     stderr=self.err, text=True)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(stdin or "")
+        self.proc.stdin.close()
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        try:
+            self.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        return subprocess.CompletedProcess(self.args, self.proc.returncode, *texts)
 
 
-def test_bad_sampling_flag_is_a_one_line_error_not_a_traceback():
-    proc = forerun("generate", "Hi", "--temperature", "-1")
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, Run]:
+    """The selected tests' commands, all started together."""
+    selected = {item.originalname for item in request.session.items
+                if item.module is request.module}
+    started = {name: Run(args, stdin, tmp_path_factory.mktemp("cli"))
+               for name, (args, stdin) in COMMANDS.items() if name in selected}
+    yield started
+    for run in started.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+
+
+def forerun(runs: dict[str, Run], request: pytest.FixtureRequest
+            ) -> subprocess.CompletedProcess[str]:
+    """The finished command of the calling test."""
+    return runs[request.node.originalname].result()
+
+
+def test_bad_sampling_flag_is_a_one_line_error_not_a_traceback(runs, request):
+    proc = forerun(runs, request)
     assert proc.returncode == 2
     assert "temperature" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_missing_model_path_is_a_one_line_error(tmp_path):
-    proc = forerun("generate", "Hi", "--model", str(tmp_path / "nope"))
+def test_missing_model_path_is_a_one_line_error(runs, request):
+    assert not MISSING.exists()
+    proc = forerun(runs, request)
     assert proc.returncode == 2
-    assert str(tmp_path / "nope") in proc.stderr and "Traceback" not in proc.stderr
+    assert str(MISSING) in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
-def test_generate_prints_the_same_greedy_text_as_the_offline_api(llm_cache):
+def test_generate_prints_the_same_greedy_text_as_the_offline_api(llm_cache, runs, request):
     prompt = "The capital of France is"
-    proc = forerun("generate", prompt, "--max-tokens", "10", "--dtype", "float32",
-                   "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024")
-    assert proc.returncode == 0, proc.stderr
     expected = llm_cache().generate([prompt], SamplingParams(max_tokens=10, temperature=0),
                                     use_tqdm=False)[0].outputs[0].text
+    proc = forerun(runs, request)
+    assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected + "\n"
 
 
 @pytest.mark.slow
-def test_chat_answers_each_line_and_ends_on_eof(llm_cache):
-    proc = forerun("chat", "--max-tokens", "12", "--dtype", "float32",
-                   "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024",
-                   stdin="What is the capital of France?\n")
-    assert proc.returncode == 0, proc.stderr
+def test_chat_answers_each_line_and_ends_on_eof(llm_cache, runs, request):
     expected = llm_cache().chat([{"role": "user", "content": "What is the capital of France?"}],
                                 SamplingParams(max_tokens=12, temperature=0),
                                 use_tqdm=False)[0].outputs[0].text
+    proc = forerun(runs, request)
+    assert proc.returncode == 0, proc.stderr
     assert expected.strip() and expected in proc.stdout
 
 
-def test_bad_speculative_config_is_a_one_line_error():
-    proc = forerun("generate", "Hi", "--speculative-config",
-                   '{"method": "medusa", "num_speculative_tokens": 2}')
+def test_bad_speculative_config_is_a_one_line_error(runs, request):
+    proc = forerun(runs, request)
     assert proc.returncode == 2, proc.stderr
     assert "speculative_config.method" in proc.stderr and "Traceback" not in proc.stderr
     # Not even JSON: argparse's own usage error (exit 2), before any model loads.
@@ -63,12 +132,10 @@ def test_bad_speculative_config_is_a_one_line_error():
 
 
 @pytest.mark.slow
-def test_generate_with_drafts_prints_the_same_greedy_text(llm_cache):
-    prompt = "Repeat after me: one two three four five six. Again: one two three"
-    proc = forerun("generate", prompt, "--max-tokens", "16", "--dtype", "float32",
-                   "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024",
-                   "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
-    assert proc.returncode == 0, proc.stderr
-    expected = llm_cache().generate([prompt], SamplingParams(max_tokens=16, temperature=0),
+def test_generate_with_drafts_prints_the_same_greedy_text(llm_cache, runs, request):
+    expected = llm_cache().generate([DRAFTS_PROMPT],
+                                    SamplingParams(max_tokens=16, temperature=0),
                                     use_tqdm=False)[0].outputs[0].text
+    proc = forerun(runs, request)
+    assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected + "\n"
