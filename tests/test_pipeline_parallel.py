@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
+from forerun.distributed.parallel_state import free_port
 from forerun.distributed.pipeline_parallel import stage_layers
 from tests.conftest import assert_all_blocks_free
 from tests.server_harness import pid_alive
@@ -110,6 +113,31 @@ def test_default_model_in_two_stages_gives_the_same_tokens(llm_cache):
     finally:
         llm.shutdown()
     assert got == want
+
+
+def test_two_nodes_on_localhost_run_one_stage_each(tiny_dir, want):
+    """--nnodes 2 -pp 2: node 1 is a `forerun serve --node-rank 1` process that runs the last
+    stage; this process is node 0 (the engine and the first stage)."""
+    port = free_port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "forerun.cli", "serve", "--model", str(tiny_dir),
+         "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+         "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        llm = LLM(pipeline_parallel_size=2, nnodes=2, node_rank=0, master_port=port,
+                  **kwargs(tiny_dir, "on"))
+        try:
+            assert run(llm) == want
+            assert rank_pids() == []  # the last stage runs on the other "node"
+        finally:
+            llm.shutdown()
+        code = node1.wait(60)
+        assert code == 0, node1.stdout.read().decode()[-3000:] if node1.stdout else code
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
 
 
 def test_stage_layers_split_contiguously_with_the_longer_stages_first():
