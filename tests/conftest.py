@@ -20,15 +20,22 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2() -> tuple[Any, Any]:
-    """transformers' own model and tokenizer for the same GGUF, float32: the oracle."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def smollm2_tokenizer() -> Any:
+    """transformers' tokenizer read from the default GGUF (a few seconds to build), once per
+    session; tests only encode, decode and render templates with it, never change it."""
+    from transformers import AutoTokenizer
 
-    d = smollm2_dir()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF,
+    return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_tokenizer: Any) -> tuple[Any, Any]:
+    """transformers' own model and tokenizer for the same GGUF, float32: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF,
                                                  dtype=torch.float32).eval()
-    return model, tok
+    return model, smollm2_tokenizer
 
 
 class LLMCache:

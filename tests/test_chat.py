@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from forerun.engine.chat import apply_chat_template, read_gguf_chat_template, render_chat
 
@@ -33,9 +33,10 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    tok = AutoTokenizer.from_pretrained(str(gguf_path().parent), gguf_file=GGUF_FILE)
+def tokenizer(smollm2_tokenizer: Any) -> Any:
+    tok = smollm2_tokenizer  # the session's (conftest): the same folder and GGUF file
     if not tok.chat_template:
+        tok = copy.deepcopy(tok)  # the session's tokenizer stays as transformers read it
         tok.chat_template = read_gguf_chat_template(gguf_path())
     return tok
 

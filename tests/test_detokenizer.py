@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from forerun.engine.detokenizer import IncrementalDetokenizer
 
@@ -47,8 +47,8 @@ def smollm2_folder() -> str:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Any:
-    return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF_FILE)
+def smollm2(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer  # the session's (conftest): the same folder and GGUF file
 
 
 def _train_small(decoder: Any, pre_tokenizer: Any) -> PreTrainedTokenizerFast:

@@ -19,7 +19,6 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.conftest import SMOLLM2_GGUF, smollm2_dir
 from tests.server_harness import MODEL, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
@@ -46,10 +45,8 @@ def client(server: ServerHandle) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+def tokenizer(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer  # the session's (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forerun import SamplingParams, StructuredOutputsParams
-from tests.conftest import SMOLLM2_GGUF, smollm2_dir
 from tests.server_harness import ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
@@ -79,10 +78,8 @@ def client(http: httpx.Client) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+def tok(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer  # the session's (conftest)
 
 
 # ----- /tokenize, /detokenize, /tokenizer_info ------------------------------------------------

@@ -17,7 +17,6 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from forerun.server.protocol import ChatCompletionRequest
 from forerun.server.tool_calls import (
@@ -28,7 +27,6 @@ from forerun.server.tool_calls import (
     tool_message,
 )
 from forerun.tool_parsers import Hermes2ProToolParser, ToolParser
-from tests.conftest import SMOLLM2_GGUF, smollm2_dir
 from tests.server_harness import MODEL, ServerHandle, start_server
 
 slow = pytest.mark.slow
@@ -197,8 +195,8 @@ def client(server: ServerHandle) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+def tokenizer(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer  # the session's (conftest)
 
 
 def hf_ids(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
