@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from forerun.structured.closing import ClosingPlanner
 from forerun.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class XgrammarBackend:
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
+        self._tokenizer_info: xgr.TokenizerInfo | None = None
+        self._closing_planner: ClosingPlanner | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers,
                                         thread_name_prefix="forerun-grammar")
 
@@ -158,8 +161,21 @@ class XgrammarBackend:
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer_factory(), vocab_size=self.vocab_size,
                 stop_token_ids=self._stop_token_ids or None)
+            self._tokenizer_info = info
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         return self._compiler
+
+    def closing_planner(self) -> ClosingPlanner:
+        """The budget-aware ending's planner (built on first use, after a compilation)."""
+        if self._closing_planner is None:
+            self._get_compiler()
+            assert self._tokenizer_info is not None
+            tokenizer = self._tokenizer_factory()
+            special = set(getattr(tokenizer, "all_special_ids", []) or [])
+            special.update(self._stop_token_ids)
+            self._closing_planner = ClosingPlanner(
+                tokenizer, list(self._tokenizer_info.decoded_vocab), self.vocab_size, special)
+        return self._closing_planner
 
     def compile_async(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         return self._pool.submit(self._compile, params)

@@ -5,12 +5,22 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from forerun.structured.bitmask import GrammarBitmask
+from forerun.structured.closing import (
+    CLOSING_MARGIN,
+    PLAN_STRIDE,
+    ClosingState,
+    is_allowed,
+    only_token,
+)
 from forerun.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -37,6 +47,8 @@ class GrammarEvent(enum.Enum):
     ACCEPTED = enum.auto()
     REJECTED = enum.auto()
     TERMINATED = enum.auto()
+    # The budget-aware ending completed the JSON: the request ends as length-capped.
+    CLOSED = enum.auto()
 
 
 @dataclass(slots=True)
@@ -48,6 +60,8 @@ class StructuredOutputRequest:
     submitted_at: float
     grammar: StructuredGrammar | None = None
     error: str | None = None
+    # The budget-aware ending's state (JSON constraints unless disable_budget_closing).
+    closing: ClosingState | None = None
 
 
 @dataclass(slots=True)
@@ -59,6 +73,9 @@ class StructuredOutputStats:
     num_rejected_tokens: int = 0
     num_bitmasks: int = 0
     compile_time_s: float = 0.0
+    # Requests whose masks the budget-aware ending narrowed, and those it completed.
+    num_closing: int = 0
+    num_closed: int = 0
 
 
 @dataclass(slots=True)
@@ -118,6 +135,8 @@ class StructuredOutputManager:
             return self._fail(request, so_req, f"grammar compilation failed: {exc}")
         so_req.grammar = self.backend.new_grammar(future.result())
         so_req.future = None
+        if so_req.params.budget_closing:
+            so_req.closing = ClosingState()
         self.stats.num_compiled += 1
         self.stats.compile_time_s += time.monotonic() - so_req.submitted_at
         return Readiness.READY
@@ -141,6 +160,15 @@ class StructuredOutputManager:
             return GrammarEvent.REJECTED
         if grammar.is_terminated():
             return GrammarEvent.TERMINATED
+        closing = so_req.closing
+        if closing is not None:
+            closing.lexer.feed(self.backend.closing_planner().token_bytes[token_id])
+            if closing.forced:
+                assert closing.forced[0] == token_id, (request.request_id, token_id)
+                closing.forced.popleft()
+            if closing.active and grammar.matcher.is_completed():
+                self.stats.num_closed += 1
+                return GrammarEvent.CLOSED
         return GrammarEvent.ACCEPTED
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput,
@@ -165,10 +193,51 @@ class StructuredOutputManager:
         if not rows:
             return None
         bitmask = self.backend.allocate_bitmask(len(rows))
-        for i, (_, grammar) in enumerate(rows):
+        for i, (req_id, grammar) in enumerate(rows):
             grammar.fill_bitmask(bitmask, i)
+            request = requests[req_id]
+            if request.structured_output_request.closing is not None:
+                self._close_within_budget(request, bitmask[i])
         self.stats.num_bitmasks += 1
         return GrammarBitmask([r for r, _ in rows], bitmask)
+
+    def _close_within_budget(self, request: Request, row: torch.Tensor) -> None:
+        """Narrow ``row`` (the grammar's mask) so that the JSON ends within max_tokens.
+
+        ``left`` is the tokens still to sample, this step's included: every earlier step's
+        output was applied, so the only token in flight is the one this mask is for (the
+        same count in sync and async mode). Until the plan's length plus the margin reaches
+        ``left`` the row stays the grammar's own.
+        """
+        so_req: StructuredOutputRequest = request.structured_output_request
+        st = so_req.closing
+        assert st is not None and so_req.grammar is not None
+        if st.forced:  # following a plan to the end
+            only_token(row, st.forced[0])
+            return
+        left = request.max_tokens - request.num_output_tokens
+        done = request.num_output_tokens
+        plan = st.plan
+        near = plan is None or left <= 2 * (len(plan) + CLOSING_MARGIN) + 16
+        if st.active or (near and st.planned_at != done) or done - st.planned_at >= PLAN_STRIDE:
+            planner = self.backend.closing_planner()
+            plan = st.plan = planner.plan(so_req.grammar.matcher, st.lexer)
+            st.planned_at = done
+        if not plan or left > len(plan) + CLOSING_MARGIN:
+            return  # nothing to close, no plan found, or room enough: the grammar's row
+        if not is_allowed(row, plan[0]):  # never expected: the plan was checked
+            logger.warning("request %s: closing plan not allowed by its grammar",
+                           request.request_id)
+            return
+        if not st.active:
+            st.started_at = done
+            self.stats.num_closing += 1
+        if left - len(plan) >= 2:
+            # Slack left: any token that starts the plan's text; the plan is redone after.
+            row &= self.backend.closing_planner().closing_tokens(plan)[: row.shape[0]]
+            return
+        st.forced = deque(plan)
+        only_token(row, plan[0])
 
     def shutdown(self) -> None:
         self.backend.shutdown()

@@ -9,7 +9,7 @@ from typing import Any
 # The fields that choose the constraint; exactly one is set.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # Fields that tune how a constraint is compiled rather than choosing one.
-OPTIONS = ("disable_any_whitespace",)
+OPTIONS = ("disable_any_whitespace", "disable_budget_closing")
 
 
 @dataclass(slots=True)
@@ -27,6 +27,12 @@ class StructuredOutputsParams:
     like ``True``: with any whitespace a small model's greedy decoding can run away in
     newlines the grammar allows until ``max_tokens`` cuts the JSON (vLLM's default is
     ``False``). It has no effect on regex, choice and grammar constraints.
+
+    ``disable_budget_closing`` (forerun's, in vLLM's style; default unset = ``False``): a
+    ``json`` or ``json_object`` output near the end of ``max_tokens`` is steered to close
+    its open strings, arrays and objects so that it ends as complete JSON within
+    ``max_tokens`` (:mod:`forerun.structured.closing`); its ``finish_reason`` is then
+    ``length``. ``True`` turns this off: the output is cut where ``max_tokens`` falls.
     """
 
     json: str | dict[str, Any] | None = None
@@ -35,6 +41,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
+    disable_budget_closing: bool | None = None
 
     def __post_init__(self) -> None:
         chosen = [k for k in KINDS if self._is_set(k)]
@@ -62,11 +69,20 @@ class StructuredOutputsParams:
                 self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace: must be a boolean, got "
                              f"{type(self.disable_any_whitespace).__name__}")
+        if self.disable_budget_closing is not None and not isinstance(
+                self.disable_budget_closing, bool):
+            raise ValueError("structured_outputs.disable_budget_closing: must be a boolean, got "
+                             f"{type(self.disable_budget_closing).__name__}")
 
     @property
     def any_whitespace(self) -> bool:
         """Whether a JSON constraint compiles to a grammar that allows any whitespace."""
         return self.disable_any_whitespace is False
+
+    @property
+    def budget_closing(self) -> bool:
+        """Whether the output is steered to complete its JSON within ``max_tokens``."""
+        return self.kind in ("json", "json_object") and self.disable_budget_closing is not True
 
     def _is_set(self, name: str) -> bool:
         value = getattr(self, name)
