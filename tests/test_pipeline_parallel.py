@@ -71,6 +71,25 @@ def test_stages_give_the_tokens_of_one_process(tiny_dir, want, mode, pp, tp):
     assert rank_pids() == []
 
 
+def test_bfloat16_stages_with_prepacked_weights_give_the_tokens_of_one_process(
+        tiny_dir, monkeypatch):
+    """In bfloat16 the one-call small-batch path (which stages cannot use: it runs every
+    layer) rounds differently from the per-op path, so the one-process oracle runs without
+    it; the oneDNN-prepacked linears are on in both."""
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "0")
+    kw = {**kwargs(tiny_dir, "on"), "dtype": "bfloat16"}
+    one = LLM(**kw)
+    try:
+        want = run(one)
+    finally:
+        one.shutdown()
+    llm = LLM(pipeline_parallel_size=2, **kw)
+    try:
+        assert run(llm) == want
+    finally:
+        llm.shutdown()
+
+
 def test_every_stage_is_busy_with_its_own_requests(tiny_dir):
     """With async scheduling and depth pp + 1 the scheduler alternates the requests between
     steps, so no step feeds a sample the last stage has not produced yet."""

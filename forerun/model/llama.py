@@ -190,7 +190,7 @@ class LlamaForCausalLM(CausalLM):
     def prepack(self) -> int:
         # The small-batch path packs its copy from the plain weights, which prepacking drops;
         # where it cannot run, no copy is made and the path stays off.
-        dtype = self.model.norm.weight.dtype
+        dtype = next(self.parameters()).dtype
         if envs.small_batch_tokens() > 0 and self.small_batch.can_run(dtype):
             self.small_batch.pack()
         else:
