@@ -81,6 +81,9 @@ class Harness:
     num_speculative_tokens: int = 0
     drafts_found: Callable[[str, int], int] | None = None
     accept: Callable[[str, int, int], int] | None = None
+    # The scheduler's pipeline rules (about 1/pp of the requests per step, no request whose
+    # last sample is in the newest pp - 1 steps); the fake worker has no stages.
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         defer = self.defer_block_free
@@ -92,6 +95,7 @@ class Harness:
             max_model_len=self.max_model_len,
             defer_block_free=defer,
             num_speculative_tokens=self.num_speculative_tokens,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
         kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching)
         cls = AsyncScheduler if self.async_scheduling else Scheduler

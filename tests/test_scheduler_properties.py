@@ -86,7 +86,8 @@ def workloads(draw: st.DrawFn, with_aborts: bool) -> Workload:
 
 def run(w: Workload, async_scheduling: bool, depth: int, num_speculative_tokens: int = 0,
         drafts_found: Callable[[str, int], int] | None = None,
-        accept: Callable[[str, int, int], int] | None = None) -> Harness:
+        accept: Callable[[str, int, int], int] | None = None,
+        pipeline_parallel_size: int = 1) -> Harness:
     """Drive the workload to the end (with the fake worker's drafts and acceptance, if
     spec decoding is on); checks every block is released."""
     h = Harness(
@@ -101,7 +102,7 @@ def run(w: Workload, async_scheduling: bool, depth: int, num_speculative_tokens:
         defer_block_free=w.defer_block_free if depth > 1 else False,
         eos_at={r.req_id: r.eos_at for r in w.reqs if r.eos_at is not None},
         num_speculative_tokens=num_speculative_tokens, drafts_found=drafts_found,
-        accept=accept,
+        accept=accept, pipeline_parallel_size=pipeline_parallel_size,
     )
     last_event = max(max(r.arrival, r.abort_at or 0) for r in w.reqs)
     call = 0
