@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
@@ -23,6 +24,8 @@ from forerun.distributed.parallel_state import free_port
 from forerun.distributed.pipeline_parallel import stage_layers
 from tests.conftest import assert_all_blocks_free
 from tests.server_harness import pid_alive
+from tests.test_scheduler_properties import oracle, workloads
+from tests.test_scheduler_properties import run as run_workload
 from tests.test_tensor_parallel import rank_pids, run
 from tests.tiny_model import write_tiny_llama
 
@@ -157,6 +160,29 @@ def test_two_nodes_on_localhost_run_one_stage_each(tiny_dir, want):
     finally:
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
+
+
+# (async scheduling, queue depth, pipeline stages): the defaults for pp = 2 and 3, and the
+# sync queue pp deep.
+PIPELINE_ENGINES = [(False, 2, 2), (True, 3, 2), (True, 4, 3)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(with_aborts=True))
+def test_pipeline_schedules_keep_every_invariant_at_depth_pp_and_pp_plus_one(w):
+    """The max_tokens guard, the deferred-free fence and stale output under preemption at
+    queue depths 2 to 4 with the pipeline rules: the harness checks the scheduler's
+    invariants after every event; outputs equal the workload's oracle (aborted ones are
+    prefixes of it); every block is released."""
+    for async_scheduling, depth, pp in PIPELINE_ENGINES:
+        h = run_workload(w, async_scheduling, depth, pipeline_parallel_size=pp)
+        for r in w.reqs:
+            full, reason = oracle(r, w.max_model_len)
+            got, got_reason = h.outputs[r.req_id], h.finish_reason[r.req_id]
+            if got_reason == "abort":
+                assert got == full[: len(got)], (depth, r, got)
+            else:
+                assert (got, got_reason) == (full, reason), (depth, r)
 
 
 def test_stage_layers_split_contiguously_with_the_longer_stages_first():
