@@ -8,6 +8,7 @@ the error a dead stage gives, and the errors bad sizes give before any process s
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,11 +23,12 @@ from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
 from forerun.distributed.parallel_state import free_port
 from forerun.distributed.pipeline_parallel import stage_layers
+from forerun.engine.async_llm import AsyncLLM
 from tests.conftest import assert_all_blocks_free
 from tests.server_harness import pid_alive
 from tests.test_scheduler_properties import oracle, workloads
 from tests.test_scheduler_properties import run as run_workload
-from tests.test_tensor_parallel import rank_pids, run
+from tests.test_tensor_parallel import PARAMS, PROMPTS, rank_pids, run
 from tests.tiny_model import write_tiny_llama
 
 
@@ -71,6 +73,34 @@ def test_stages_give_the_tokens_of_one_process(tiny_dir, want, mode, pp, tp):
         assert len(rank_pids()) == pp * tp - 1
     finally:
         llm.shutdown()
+    assert rank_pids() == []
+
+
+def test_two_data_parallel_engines_of_two_stages_each_serve_the_same_tokens(tiny_dir, want):
+    """DP = 2 x PP = 2 behind one AsyncLLM: two engine-core processes, each the parent of
+    its last stage's process (so the cores are not daemonic); both engines get work."""
+
+    async def serve() -> tuple[list[list[int]], list[int]]:
+        engine = AsyncLLM(EngineConfig(data_parallel_size=2, pipeline_parallel_size=2,
+                                       **kwargs(tiny_dir, "on")))
+        try:
+            async def one(i: int) -> list[int]:
+                tokens: list[int] = []
+                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i],
+                                                 f"r{i}"):
+                    tokens = out.outputs[0].token_ids
+                return tokens
+
+            got = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            steps = [s.scheduler.steps for s in await engine.get_engine_stats()]
+            await engine.shutdown_async()
+        finally:
+            engine.shutdown()
+        return list(got), steps
+
+    got, steps = asyncio.run(serve())
+    assert got == want
+    assert len(steps) == 2 and all(n > 0 for n in steps)
     assert rank_pids() == []
 
 

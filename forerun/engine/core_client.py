@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -75,10 +76,16 @@ class EngineCoreClient:
     def start(self) -> None:
         if self.engine_process:
             ctx = multiprocessing.get_context("spawn")
+            # A daemonic process may not start processes, and a core with TP/PP ranks
+            # starts one per rank. Not daemonic, it is stopped here at exit instead (this
+            # runs before multiprocessing's own exit hook, which would wait for it).
+            daemon = self.config.world_size == 1
             self._proc = ctx.Process(
-                target=run_engine_core, name="forerun-engine-core", daemon=True,
+                target=run_engine_core, name="forerun-engine-core", daemon=daemon,
                 args=(self.config, self.input_addr, self.output_addr, os.getpid()))
             self._proc.start()
+            if not daemon:
+                atexit.register(self.shutdown)
             logger.info("engine core process started (pid %d)", self._proc.pid)
         else:
             self._thread = threading.Thread(
