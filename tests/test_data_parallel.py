@@ -95,3 +95,30 @@ def test_bad_data_parallel_size_is_a_clear_error():
         LLM(data_parallel_size=0)
     with pytest.raises(ValueError, match="data_parallel_size.*forerun serve"):
         LLM(data_parallel_size=2)
+
+
+def test_a_shared_prefix_goes_where_its_blocks_are_unless_that_engine_is_much_busier():
+    from forerun.engine.dp_router import PrefixAwareRouter
+
+    router = PrefixAwareRouter(num_engines=2, block_size=4, max_imbalance=2)
+    system = list(range(100, 112))  # three full blocks
+    load = [0, 0]
+
+    def route(prompt: list[int]) -> int:
+        i = router.choose(prompt, load)
+        load[i] += 1
+        return i
+
+    assert route(system + [1, 2]) == 0  # nothing cached anywhere: the least loaded
+    assert route([7] * 14) == 1
+    assert route([8] * 14) == 0
+    # Loads are 2 and 1: by load this would go to engine 1; its prefix is on engine 0.
+    assert route(system + [3, 4, 5]) == 0
+    assert route(system[:8] + [9] * 6) == 0  # two leading blocks match there
+    assert route(system[:3]) == 1  # shorter than a block: by load
+    # Engine 0 now runs 4, engine 1 runs 2: within the allowed imbalance of 2...
+    assert route(system + [6]) == 0
+    # ...and now beyond it: the least loaded engine takes the request (and its blocks).
+    assert load == [5, 2]
+    assert route(system + [6]) == 1
+    assert route(system + [10]) == 1  # both hold it now; the less loaded one wins

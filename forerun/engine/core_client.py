@@ -30,6 +30,7 @@ from forerun.engine.core_messages import (
     output_decoder,
 )
 from forerun.engine.core_proc import run_engine_core
+from forerun.engine.dp_router import PrefixAwareRouter
 from forerun.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -204,9 +205,11 @@ class DPEngineCoreClient:
     """``data_parallel_size`` engine cores behind one frontend (data parallelism).
 
     Each core is a full :class:`EngineCoreClient` with its own process, sockets, CPUs and
-    KV cache. A request goes to the core with the fewest requests in flight (what waits and
-    runs there, as this side counts it), the children of one ``n > 1`` request to the same
-    core (they share the prompt's KV blocks); aborts follow the request to its core. Output
+    KV cache. A request goes to the core whose prefix cache most likely holds the longest
+    prefix of its prompt, unless that core is much busier than the others, else to the core
+    with the fewest requests in flight (what waits and runs there, as this side counts it):
+    :class:`PrefixAwareRouter`. The children of one ``n > 1`` request go to the same core
+    (they share the prompt's KV blocks); aborts follow the request to its core. Output
     messages of all cores are merged; a stats request is answered once per core.
     """
 
@@ -215,6 +218,8 @@ class DPEngineCoreClient:
                                          engine_process)
                         for i in range(config.data_parallel_size)]
         self.load = [0] * len(self.clients)
+        self.router = PrefixAwareRouter(len(self.clients), config.block_size,
+                                        max_imbalance=max(2, config.max_num_seqs // 8))
         self._owner: dict[str, int] = {}
         self._groups: dict[str, tuple[int, int]] = {}  # group -> (engine, requests left)
         self._group_of: dict[str, str] = {}
@@ -252,7 +257,7 @@ class DPEngineCoreClient:
         if group is not None and group in self._groups:
             i, left = self._groups[group]
         else:
-            i = min(range(len(self.clients)), key=self.load.__getitem__)
+            i = self.router.choose(prompt_token_ids, self.load)
             left = 0
         self.clients[i].add_request(request_id, prompt_token_ids, params, arrival_time)
         self._owner[request_id] = i
