@@ -1,18 +1,23 @@
-"""Share of valid JSON under a schema on the default model, any whitespace vs the default.
+"""Share of valid JSON under a schema on the default model: any whitespace, one line, and
+the default (one line with the budget-aware ending).
 
 Each of the schemas below (nested objects, arrays with and without bounds, enums, optional
 fields, string formats and patterns, bounded numbers, booleans, arrays of objects) comes
 with a prompt that asks for it. Every schema runs offline through ``forerun.LLM()`` (the
 default model and dtype) with ``max_tokens=256``, greedy and at temperature 0.7 (seeded),
-twice: "before" is ``disable_any_whitespace=False`` (the grammar allows any whitespace, as
-vLLM's default and forerun's old one), "after" is forerun's default. An output is valid when
-``json.loads`` parses it and ``jsonschema`` (with its format checker) validates it. The
-grammar makes every output a prefix of JSON in the schema, so an invalid one is almost
-always an output cut by ``max_tokens`` (``finish_reason == "length"``); the rest are
-strings xgrammar's formats accept and ``jsonschema``'s format checker does not.
+once per variant: "any" is ``disable_any_whitespace=False`` (the grammar allows any
+whitespace, as vLLM's default and forerun's old one), "one line" the compact grammar with
+``disable_budget_closing=True`` (no budget-aware ending), "closing" forerun's default. An
+output is valid when ``json.loads`` parses it and ``jsonschema`` (with its format checker)
+validates it. Each output is also counted by how it ended: ``natural`` (the model ended the
+JSON), ``closed`` (the budget-aware ending completed it; ``finish_reason == "length"`` with
+complete JSON) or ``cut`` (``max_tokens`` cut it: invalid). The grammar makes every output
+a prefix of JSON in the schema, so an invalid output is almost always a cut one; the rest
+are strings xgrammar's formats accept and ``jsonschema``'s format checker does not.
 
     python benchmarks/structured_validity.py                 # every schema, a few minutes
     python benchmarks/structured_validity.py --limit 8       # the first 8, while developing
+    python benchmarks/structured_validity.py --variants "one line" closing
 """
 
 from __future__ import annotations
@@ -359,21 +364,25 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 # Not a schema: OpenAI's JSON mode (any object), with a prompt of its own.
 JSON_OBJECT_PROMPTS = ["Describe a cat as a JSON object.",
                        "Give some facts about the moon as a JSON object."]
-VARIANTS = {"before": False, "after": None}   # disable_any_whitespace per variant
+# (disable_any_whitespace, disable_budget_closing) per variant: "any" is vLLM's default
+# grammar (and forerun's first), "one line" the compact grammar alone, "closing" forerun's
+# default (compact, and the budget-aware ending of forerun/structured/closing.py).
+VARIANTS = {"any": (False, True), "one line": (None, True), "closing": (None, None)}
 CHECKER = jsonschema.FormatChecker()
 
 
-def build(cases: list[tuple[str, dict[str, Any] | None]], temperatures: list[float],
-          max_tokens: int) -> tuple[list[list[dict[str, str]]], list[SamplingParams],
+def build(cases: list[tuple[str, dict[str, Any] | None]], variants: list[str],
+          temperatures: list[float], max_tokens: int) -> tuple[list[list[dict[str, str]]], list[SamplingParams],
                                     list[dict[str, Any]]]:
     """One request per (variant, temperature, case); ``keys`` says which is which."""
     convs, params, keys = [], [], []
-    for variant, daw in VARIANTS.items():
+    for variant in variants:
+        daw, dbc = VARIANTS[variant]
         for temp in temperatures:
             for i, (prompt, schema) in enumerate(cases):
-                so = (StructuredOutputsParams(json_object=True, disable_any_whitespace=daw)
-                      if schema is None else
-                      StructuredOutputsParams(json=schema, disable_any_whitespace=daw))
+                opts = {"disable_any_whitespace": daw, "disable_budget_closing": dbc}
+                so = (StructuredOutputsParams(json_object=True, **opts) if schema is None
+                      else StructuredOutputsParams(json=schema, **opts))
                 convs.append([{"role": "user", "content": prompt + " Answer in JSON."}])
                 params.append(SamplingParams(max_tokens=max_tokens, temperature=temp,
                                              seed=i if temp > 0 else None,
@@ -395,11 +404,29 @@ def check(text: str, schema: dict[str, Any] | None) -> str:
     return "valid"
 
 
+def ending(finish_reason: str | None, text: str) -> str:
+    """``natural`` (the model ended the JSON), ``closed`` (the budget-aware ending did: it
+    reports ``length`` with complete JSON) or ``cut`` (``max_tokens`` cut the JSON).
+
+    Parsing alone decides closed against cut, so a schema failure does not move an output
+    between them. Without the budget-aware ending, ``closed`` counts outputs whose JSON the
+    model happened to complete on the very last token.
+    """
+    if finish_reason != "length":
+        return "natural"
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return "cut"
+    return "closed"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--json", default=None, help="where to write the results "
                     "(default benchmarks/results/structured_validity.json)")
     args = ap.parse_args()
@@ -407,7 +434,7 @@ def main() -> None:
 
     cases: list[tuple[str, dict[str, Any] | None]] = list(CASES[:args.limit])
     cases += [(p, None) for p in JSON_OBJECT_PROMPTS[:1 if args.limit else None]]
-    convs, params, keys = build(cases, args.temperatures, args.max_tokens)
+    convs, params, keys = build(cases, args.variants, args.temperatures, args.max_tokens)
     llm = LLM()
     t0 = time.perf_counter()
     # One batch for every cell: the rows are independent (seeded or greedy).
@@ -417,28 +444,34 @@ def main() -> None:
     samples = []
     for key, out in zip(keys, outs, strict=True):
         c = out.outputs[0]
-        samples.append({**key, "result": check(c.text, cases[key["case"]][1]),
+        result = check(c.text, cases[key["case"]][1])
+        samples.append({**key, "result": result, "ended": ending(c.finish_reason, c.text),
                         "finish_reason": c.finish_reason, "tokens": len(c.token_ids),
                         "text": c.text})
     rows = []
-    for variant in VARIANTS:
+    for variant in args.variants:
         for temp in args.temperatures:
             cell = [s for s in samples if s["variant"] == variant and s["temperature"] == temp]
             results = Counter(s["result"] for s in cell)
             finishes = Counter(s["finish_reason"] for s in cell)
+            ends = Counter(s["ended"] for s in cell)
             rows.append({
                 "variant": variant, "temperature": temp, "n": len(cell),
                 "valid": results["valid"], "valid_share": results["valid"] / len(cell),
                 "mean_tokens": statistics.mean(s["tokens"] for s in cell),
+                "natural": ends["natural"], "closed": ends["closed"], "cut": ends["cut"],
                 "finish_reasons": ", ".join(f"{k} {v}" for k, v in sorted(finishes.items())),
                 "invalid": ", ".join(f"{k} {v}" for k, v in sorted(results.items())
                                      if k != "valid") or "-",
             })
     print(f"\n{len(cases)} schemas ({len(CASES[:args.limit])} JSON schemas + json_object), "
-          f"max_tokens={args.max_tokens}, {len(samples)} requests in {wall:.0f} s; before = "
-          "disable_any_whitespace=False (any whitespace), after = the default")
+          f"max_tokens={args.max_tokens}, {len(samples)} requests in {wall:.0f} s")
     print(markdown_table(rows, ["variant", "temperature", "n", "valid", "valid_share",
-                                "mean_tokens", "finish_reasons", "invalid"]))
+                                "mean_tokens", "natural", "closed", "cut", "finish_reasons",
+                                "invalid"]))
+    stats = llm.llm_engine.scheduler.structured_output_manager.stats
+    print(f"budget-aware ending: {stats.num_closing} requests entered the closing phase, "
+          f"{stats.num_closed} of them it completed")
     for s in samples:
         if s["result"] != "valid":
             print(f"  {s['variant']} T={s['temperature']} case {s['case']} "
@@ -450,6 +483,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "wall_s": wall,
         "rows": rows,
+        "closing_phase": {"entered": stats.num_closing, "completed": stats.num_closed},
         "samples": samples,
     }, args.json)
     print(f"wrote {path}")
