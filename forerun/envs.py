@@ -10,6 +10,7 @@ them per call).
 | ``FORERUN_SINGLE_OMP_TEAM`` | ``1`` | ``0``: leave the engine thread's torch thread count alone |
 | ``FORERUN_API_KEY`` | unset | ``forerun serve``'s API key when ``--api-key`` is not given (a flag shows in ``ps``) |
 | ``FORERUN_SMALL_BATCH_TOKENS`` | ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
+| ``FORERUN_COLLECTIVE_TIMEOUT_S`` | ``60`` | a TP/PP rank that does not answer a collective or a send within this many seconds fails the step (a hung rank becomes an error) |
 """
 
 from __future__ import annotations
@@ -92,3 +93,16 @@ def elastic_agent_store() -> bool:
     """Set by ``torchrun`` when its agent already serves the rendezvous store at
     MASTER_ADDR:MASTER_PORT (the ranks must join it as clients, through ``env://``)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def collective_timeout_s() -> float:
+    """``FORERUN_COLLECTIVE_TIMEOUT_S``: how long a rank waits for another in a collective."""
+    value = os.environ.get("FORERUN_COLLECTIVE_TIMEOUT_S", "60")
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = -1.0
+    if not timeout > 0:
+        raise ValueError(f"FORERUN_COLLECTIVE_TIMEOUT_S must be a positive number of seconds, "
+                         f"got {value!r}")
+    return timeout

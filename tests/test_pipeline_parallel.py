@@ -13,9 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -25,7 +28,7 @@ from forerun.distributed.parallel_state import free_port
 from forerun.distributed.pipeline_parallel import stage_layers
 from forerun.engine.async_llm import AsyncLLM
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import pid_alive
+from tests.server_harness import child_pids, engine_pid, pid_alive, start_server
 from tests.test_scheduler_properties import oracle, workloads
 from tests.test_scheduler_properties import run as run_workload
 from tests.test_tensor_parallel import PARAMS, PROMPTS, rank_pids, run
@@ -165,6 +168,54 @@ def test_default_model_in_two_stages_gives_the_same_tokens(llm_cache):
     finally:
         llm.shutdown()
     assert got == want
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_stage_that_dies_or_hangs_mid_stream_fails_every_client_and_every_process_exits(
+        tiny_dir, fault):
+    """`forerun serve -pp 2`: four clients stream; the last stage is stopped (SIGSTOP) as
+    soon as the first token arrives, so no request can finish, then killed or left hung
+    (the collective timeout is 5 s here). Every client gets an error, the server exits 1,
+    and no process of it is left."""
+    server = start_server("--model", str(tiny_dir), "--max-model-len", "256",
+                          "--pipeline-parallel-size", "2", fresh=True,
+                          env={"FORERUN_COLLECTIVE_TIMEOUT_S": "5"})
+    server.wait_healthy()
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    core = engine_pid(server.proc.pid)
+    (stage,) = child_pids(core)
+    first = threading.Event()
+
+    def stream(i: int) -> str:
+        try:
+            for _ in client.completions.create(
+                    model=model, prompt=f"w{5 + i}z w17z w250z", max_tokens=200, stream=True,
+                    extra_body={"ignore_eos": True}):
+                first.set()
+            return "finished"
+        except openai.APIError as exc:
+            return f"error: {exc}"
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            results = [pool.submit(stream, i) for i in range(4)]
+            assert first.wait(60)
+            os.kill(stage, signal.SIGSTOP)
+            if fault == "dies":
+                os.kill(stage, signal.SIGKILL)
+            outcomes = [r.result(timeout=90) for r in results]
+        assert all(o.startswith("error") for o in outcomes), outcomes
+        assert server.proc.wait(90) == 1, server.log()[-3000:]
+        deadline = time.monotonic() + 30
+        while pid_alive(core) or pid_alive(stage):
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.1)
+    finally:
+        if pid_alive(stage):
+            os.kill(stage, signal.SIGKILL)
+        server.stop()
 
 
 def test_two_nodes_on_localhost_run_one_stage_each(tiny_dir, want):

@@ -21,8 +21,6 @@ from forerun import envs
 
 logger = logging.getLogger(__name__)
 
-# A rank that stops answering turns into an error after this long, not a hang.
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
 @dataclass(slots=True)
@@ -82,21 +80,23 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, master_addr: str,
     """Join the engine's ranks (blocks until every rank has); gloo on CPU, NCCL on CUDA."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     world = tp_size * pp_size
+    # A rank that stops answering turns into an error after this long, not a hang.
+    timeout = timedelta(seconds=envs.collective_timeout_s())
     # Under torchrun the agent serves the store at MASTER_ADDR:MASTER_PORT already.
     init = "env://" if envs.elastic_agent_store() else f"tcp://{master_addr}:{master_port}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
+                            timeout=timeout)
     stage, tp_rank = divmod(rank, tp_size)
     tp_group = control_group = output_group = None
     if pp_size > 1:
         # Every rank creates every group, in the same order (torch.distributed's rule).
         for s in range(pp_size):
             g = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)),
-                               timeout=COLLECTIVE_TIMEOUT)
+                               timeout=timeout)
             if s == stage:
                 tp_group = g
-        control_group = dist.new_group(list(range(world)), timeout=COLLECTIVE_TIMEOUT)
-        output_group = dist.new_group(list(range(world)), timeout=COLLECTIVE_TIMEOUT)
+        control_group = dist.new_group(list(range(world)), timeout=timeout)
+        output_group = dist.new_group(list(range(world)), timeout=timeout)
     logger.info("rank %d of %d: pipeline stage %d of %d, tensor-parallel rank %d of %d "
                 "(%s, %s:%d)", rank, world, stage, pp_size, tp_rank, tp_size, backend,
                 master_addr, master_port)
