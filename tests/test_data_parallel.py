@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,20 +52,21 @@ def test_two_engines_share_the_requests_answer_like_one_and_stop_together(llm_ca
         want = [o.outputs[0].text for o in llm_cache().generate(
             PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)]
 
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", timeout=120,
+                               max_retries=0)
+
         def complete(prompt: str) -> str:
-            r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
-                "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
-            r.raise_for_status()
-            return r.json()["choices"][0]["text"]
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                          temperature=0)
+            return r.choices[0].text
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(complete, PROMPTS))
         assert got == want
         # n > 1: the children go to one engine together (they share the prompt's blocks).
-        r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 0})
-        assert [c["text"] for c in r.json()["choices"]] == [want[0][: len(c["text"])]
-                                                            for c in r.json()["choices"]]
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, n=3,
+                                      temperature=0)
+        assert [c.text for c in r.choices] == [want[0][: len(c.text)] for c in r.choices]
         text = httpx.get(f"{server.base_url}/metrics").text
         queries = per_engine(text, "vllm:prefix_cache_queries_total")
         assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries
