@@ -63,6 +63,7 @@ DEVICES = {
     "a100": DeviceSpec("a100", 2.0e12, 312e12, 0.3e-3),
 }
 MODELS = {
+    "smollm2-135m": ModelShape("smollm2-135m", 134.5e6, 30, 576, 3, 64),
     "llama-3-8b": ModelShape("llama-3-8b", 8.03e9, 32, 4096, 8, 128),
     "qwen3-32b": ModelShape("qwen3-32b", 32.8e9, 64, 5120, 8, 128),
 }
