@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_harness import MODEL, start_server
+from tests.server_harness import MODEL, ServerSpec, start_server
+
+SERVERS = [ServerSpec()]  # the default one, started ahead (server_harness)
 
 pytestmark = pytest.mark.slow
 
