@@ -189,16 +189,12 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path) -> None:
 # ---- SmolLM2 ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_files(tmp_path_factory: pytest.TempPathFactory):
-    """The shipped Q4_1 file and Q8_0 / Q4_0 re-quantizations of it; the model cache is a
-    throw-away folder meanwhile, so these files leave nothing in ~/.cache/forerun, and the
-    engines after a file's first read its config and tokenizer (and the exact engine its
-    dequantized weights) from there: bit-identical to an uncached load (forerun.model.cache),
-    without converting the vocabulary again for every engine."""
+    """The shipped Q4_1 file and Q8_0 / Q4_0 re-quantizations of it; the model cache is off
+    meanwhile, so the throw-away files leave nothing in ~/.cache/forerun."""
     src = smollm2_dir() / SMOLLM2_GGUF
     out = tmp_path_factory.mktemp("requantized")
-    cpu_kernels.kernel_library()  # built (or found) where the other tests find it
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FORERUN_CACHE_DIR", str(out / "forerun-cache"))
+        mp.setenv("FORERUN_CACHE_DIR", "off")
         yield {"Q4_1": src,
                "Q8_0": requantize_gguf(src, out / "smollm2.Q8_0.gguf", GT.Q8_0),
                "Q4_0": requantize_gguf(src, out / "smollm2.Q4_0.gguf", GT.Q4_0)}
