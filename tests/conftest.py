@@ -19,34 +19,6 @@ def smollm2_dir() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Hand server_harness the selected server modules in their order (see its docstring)."""
-    plan, seen = [], set()
-    for item in session.items:
-        module = getattr(item, "module", None)
-        if module is None or module.__name__ in seen:
-            continue
-        seen.add(module.__name__)
-        if getattr(module, "SERVERS", None):
-            plan.append((module.__name__, list(module.SERVERS),
-                         getattr(module, "PRESTART_NEXT", True)))
-    if plan:
-        from tests import server_harness
-
-        server_harness.plan_servers(plan)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before a server module's first test (and its fixtures): start its servers and the
-    next server module's."""
-    module = getattr(item, "module", None)
-    if module is not None and getattr(module, "SERVERS", None):
-        from tests import server_harness
-
-        server_harness.prestart_for(module.__name__)
-
-
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
     """transformers' tokenizer read from the default GGUF (a few seconds to build), once per

@@ -17,9 +17,8 @@ import torch
 
 from forerun.beam_search import BeamSearchParams
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import MODEL, ServerSpec, start_server
+from tests.server_harness import MODEL, start_server
 
-SERVERS = [ServerSpec()]  # the default one, started ahead (server_harness)
 PROMPTS = ["The capital of France is", "Once upon a time, a small robot"]
 
 

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_harness import MODEL, ServerSpec, start_server
-
-SERVERS = [ServerSpec()]  # the default one, started ahead (server_harness)
+from tests.server_harness import MODEL, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -17,11 +17,10 @@ import pytest
 
 from forerun.engine.processor import Processor
 from forerun.sampling_params import SamplingParams
-from tests.server_harness import ServerSpec, start_server
+from tests.server_harness import start_server
 from tests.test_server_logprobs import FORCED_ARGS
 
 VOCAB = 1000
-SERVERS = [ServerSpec(), ServerSpec(FORCED_ARGS)]  # started ahead (server_harness)
 
 
 @pytest.mark.parametrize("limit, kw, ok", [

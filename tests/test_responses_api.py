@@ -19,10 +19,9 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.server_harness import MODEL, ServerHandle, ServerSpec, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
-SERVERS = [ServerSpec()]  # the default one, started ahead (server_harness)
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},

@@ -16,13 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forerun import SamplingParams
-from tests.server_harness import MODEL, ServerHandle, ServerSpec, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-forerun-test"
-KEYED_ARGS = ("--api-key", API_KEY, "--max-model-len", "512")
-SERVERS = [ServerSpec(), ServerSpec(KEYED_ARGS)]  # started ahead (server_harness)
 PROMPT = "Hello, my name is"
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the capital of France?"}]
@@ -32,7 +30,7 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 def env(llm_cache: Any) -> dict[str, Any]:
     # Boot both servers while the offline reference engine runs in this process.
     main = start_server()
-    keyed = start_server(*KEYED_ARGS)
+    keyed = start_server("--api-key", API_KEY, "--max-model-len", "512")
     llm = llm_cache()
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     ref_completion = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0]

@@ -25,7 +25,6 @@ import pytest
 from tests.server_harness import (
     MODEL,
     ServerHandle,
-    ServerSpec,
     child_pids,
     engine_pid,
     pid_alive,
@@ -40,13 +39,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = ("--max-num-seqs", "4", "--max-waiting-requests", "4", "--request-timeout", "12",
           "--engine-heartbeat-timeout", "4", "--max-request-body-bytes", str(4 << 20),
           "--disable-fastapi-docs")
-# The four servers, in the fixture's order; started ahead during the previous server
-# module (server_harness), and nothing else loads during these timing-sensitive tests.
-SERVERS = [ServerSpec(LIMITS, {"FORERUN_API_KEY": KEY}),
-           ServerSpec(("--max-num-seqs", "8"), fresh=True),
-           ServerSpec(("--max-num-seqs", "8"), fresh=True),
-           ServerSpec(("--shutdown-timeout", "60"), fresh=True)]
-PRESTART_NEXT = False
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from forerun import SamplingParams
-from tests.server_harness import ServerHandle, ServerSpec, start_server
+from tests.server_harness import ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,6 @@ TOL = 2e-3
 # The second server; test_max_logprobs.py shares it (the whole vocabulary there).
 FORCED_ARGS = ("--enable-force-include-usage", "--no-engine-process", "--max-model-len", "256",
                "--max-logprobs", "-1")  # float32 on both sides; batches differ, so summation order may too
-SERVERS = [ServerSpec(), ServerSpec(FORCED_ARGS)]  # started ahead (server_harness)
 
 
 @pytest.fixture(scope="module")

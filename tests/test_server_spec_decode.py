@@ -17,20 +17,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forerun import SamplingParams
-from tests.server_harness import ServerSpec, start_server
+from tests.server_harness import start_server
 
 pytestmark = pytest.mark.slow
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
-SERVER_ARGS = ("--speculative-config", SPEC, "--max-model-len", "512", "--no-engine-process")
-SERVERS = [ServerSpec(SERVER_ARGS)]  # started ahead (server_harness)
 PROMPT = ("Repeat the list exactly.\nList: red, green, blue, yellow, orange, purple, pink.\n"
           "Repeat: red, green,")
 
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    handle = start_server(*SERVER_ARGS)
+    handle = start_server("--speculative-config", SPEC, "--max-model-len", "512",
+                          "--no-engine-process")
     handle.wait_healthy()
     return handle
 

@@ -17,10 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import MODEL, ServerHandle, ServerSpec, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
-SERVERS = [ServerSpec()]  # the default one, started ahead (server_harness)
 
 CHAT = [{"role": "user", "content": "Say hi."}]
 ERROR_KEYS = {"message", "type", "param", "code"}

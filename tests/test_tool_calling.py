@@ -27,7 +27,7 @@ from forerun.server.tool_calls import (
     tool_message,
 )
 from forerun.tool_parsers import Hermes2ProToolParser, ToolParser
-from tests.server_harness import MODEL, ServerHandle, ServerSpec, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 
 slow = pytest.mark.slow
 
@@ -181,15 +181,10 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
 
 # --- through the server ---------------------------------------------------------------
 
-TOOLS_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-              "--chat-template", str(TEMPLATE_PATH))
-# This module's server and the default one; started ahead (server_harness).
-SERVERS = [ServerSpec(TOOLS_ARGS), ServerSpec()]
-
-
 @pytest.fixture(scope="module")
 def server() -> ServerHandle:
-    s = start_server(*TOOLS_ARGS)
+    s = start_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--chat-template", str(TEMPLATE_PATH))
     s.wait_healthy()
     return s
 
