@@ -191,7 +191,9 @@ class LlamaForCausalLM(CausalLM):
         # The small-batch path packs its copy from the plain weights, which prepacking drops;
         # where it cannot run, no copy is made and the path stays off.
         dtype = next(self.parameters()).dtype
-        if envs.small_batch_tokens() > 0 and self.small_batch.can_run(dtype):
+        # TP and PP turn the path off before this (it runs every layer in one call).
+        if (envs.small_batch_tokens() > 0 and self.small_batch.available
+                and self.small_batch.can_run(dtype)):
             self.small_batch.pack()
         else:
             self.small_batch.available = False

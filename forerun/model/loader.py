@@ -173,9 +173,12 @@ def load_model(
         logger.info("%d linear weights reordered for oneDNN", model.prepack())
     model.resident_weight_bytes = resident_weight_bytes(model)
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s, quantization=%s: %.1f MiB of weights resident",
-        source.name, config.architecture, config.num_hidden_layers, dtype, device,
-        quantization, model.resident_weight_bytes / 2**20,
+        "loaded %s (%s, %s) as %s on %s, quantization=%s: %.1f MiB of weights resident",
+        source.name, config.architecture,
+        f"{config.num_hidden_layers} layers" if pipeline_stage is None else
+        f"layers {pipeline_stage.start_layer}-{pipeline_stage.end_layer - 1} of "
+        f"{config.num_hidden_layers}", dtype, device, quantization,
+        model.resident_weight_bytes / 2**20,
     )
     return model
 
