@@ -126,6 +126,18 @@ def oracle(r: ReqSpec, max_model_len: int) -> tuple[list[int], str]:
     return expected_output(r.req_id, len(r.prompt), cap, r.eos_at)
 
 
+def assert_lossless_prefixes(h: Harness, w: Workload, label: object) -> None:
+    """Every request got the oracle's output, or (aborted) a prefix of it."""
+    for r in w.reqs:
+        full, reason = oracle(r, w.max_model_len)
+        got, got_reason = h.outputs[r.req_id], h.finish_reason[r.req_id]
+        if got_reason == "abort":
+            assert r.abort_at is not None
+            assert got == full[: len(got)], (label, r, got)
+        else:
+            assert (got, got_reason) == (full, reason), (label, r)
+
+
 ENGINES = [(False, 1), (True, 2), (True, 3)]
 
 
@@ -148,12 +160,4 @@ def test_without_aborts_every_engine_delivers_the_oracle_outputs(w: Workload):
 @given(workloads(with_aborts=True))
 def test_with_aborts_outputs_are_lossless_prefixes(w: Workload):
     for async_scheduling, depth in ENGINES:
-        h = run(w, async_scheduling, depth)
-        for r in w.reqs:
-            full, reason = oracle(r, w.max_model_len)
-            got, got_reason = h.outputs[r.req_id], h.finish_reason[r.req_id]
-            if got_reason == "abort":
-                assert r.abort_at is not None
-                assert got == full[: len(got)], (depth, r, got)
-            else:
-                assert (got, got_reason) == (full, reason), (depth, r)
+        assert_lossless_prefixes(run(w, async_scheduling, depth), w, depth)

@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from tests.fake_executor import hash_accept
 from tests.harness import Harness, expected_output, make_request
-from tests.test_scheduler_properties import Workload, oracle, run, workloads
+from tests.test_scheduler_properties import (
+    Workload,
+    assert_lossless_prefixes,
+    oracle,
+    run,
+    workloads,
+)
 
 ENGINES = [(False, 1), (True, 2), (True, 3)]
 K = 3
@@ -130,10 +136,4 @@ def test_random_drafts_and_acceptance_deliver_the_oracle_in_every_engine(w, k, f
 def test_with_aborts_spec_outputs_are_lossless_prefixes(w, k, seed):
     for async_scheduling, depth in ENGINES:
         h = run(w, async_scheduling, depth, k, always(k), hash_accept(seed))
-        for r in w.reqs:
-            full, reason = oracle(r, w.max_model_len)
-            got, got_reason = h.outputs[r.req_id], h.finish_reason[r.req_id]
-            if got_reason == "abort":
-                assert got == full[: len(got)], (depth, r, got)
-            else:
-                assert (got, got_reason) == (full, reason), (depth, r)
+        assert_lossless_prefixes(h, w, depth)

@@ -81,19 +81,23 @@ def test_two_ranks_give_the_tokens_of_one_process(tiny_dir, mode):
     assert worker_thread_setup() == before
 
 
-@pytest.mark.slow
-def test_default_model_split_three_ways_gives_the_same_tokens(llm_cache):
+def assert_default_model_split_like_one_process(llm_cache, **sizes: int) -> None:
+    """SmolLM2 in float32 split by ``sizes`` gives the one-process engine's greedy tokens."""
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     want = [o.outputs[0].token_ids for o in llm_cache().generate(prompts, params,
                                                                  use_tqdm=False)]
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512,
-              tensor_parallel_size=3)
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512, **sizes)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
     assert got == want
+
+
+@pytest.mark.slow
+def test_default_model_split_three_ways_gives_the_same_tokens(llm_cache):
+    assert_default_model_split_like_one_process(llm_cache, tensor_parallel_size=3)
 
 
 def test_a_size_the_model_cannot_split_by_is_refused_before_any_process_starts(tiny_dir):

@@ -21,6 +21,9 @@ from forerun import envs
 
 logger = logging.getLogger(__name__)
 
+# How long ranks wait for each other to join the group.
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
+
 
 
 @dataclass(slots=True)
@@ -46,18 +49,20 @@ class TensorParallelGroup:
 class PipelineParallelGroup:
     """This process's pipeline stage and the ranks it talks to.
 
-    Besides the default group (the hidden-state sends, on each rank's worker thread), two
-    communicators over every rank, each used from a thread of its own on the first rank,
-    so that neither makes the first stage wait for a later one: ``control_group`` carries
-    each call the engine makes to every rank (a gloo broadcast returns only once every rank
-    has received it), ``output_group`` the sampled output from the last stage back to the
-    first.
+    ``group`` is every rank's data plane (the hidden-state sends; the calls too without
+    pipeline stages). With stages, two more communicators over every rank, each used from a
+    thread of its own on the first rank, so that neither makes the first stage wait for a
+    later one: ``control_group`` carries each call the engine makes to every rank (a gloo
+    broadcast returns only once every rank has received it), ``output_group`` the sampled
+    output from the last stage back to the first. All three time out after the collective
+    timeout; only the rendezvous may take longer.
     """
 
     stage: int
     size: int
     tp_rank: int
     tp_size: int
+    group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None
     output_group: dist.ProcessGroup | None = None
 
@@ -84,25 +89,29 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, master_addr: str,
     timeout = timedelta(seconds=envs.collective_timeout_s())
     # Under torchrun the agent serves the store at MASTER_ADDR:MASTER_PORT already.
     init = "env://" if envs.elastic_agent_store() else f"tcp://{master_addr}:{master_port}"
+    # Joining waits for processes still starting (or for other machines): far longer than
+    # a step's collectives may take; no collective runs on the default group.
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                            timeout=timeout)
+                            timeout=max(timeout, RENDEZVOUS_TIMEOUT))
     stage, tp_rank = divmod(rank, tp_size)
-    tp_group = control_group = output_group = None
+    everyone = list(range(world))
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    group = tp_group = dist.new_group(everyone, timeout=timeout)
+    control_group = output_group = None
     if pp_size > 1:
-        # Every rank creates every group, in the same order (torch.distributed's rule).
         for s in range(pp_size):
             g = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)),
                                timeout=timeout)
             if s == stage:
                 tp_group = g
-        control_group = dist.new_group(list(range(world)), timeout=timeout)
-        output_group = dist.new_group(list(range(world)), timeout=timeout)
+        control_group = dist.new_group(everyone, timeout=timeout)
+        output_group = dist.new_group(everyone, timeout=timeout)
     logger.info("rank %d of %d: pipeline stage %d of %d, tensor-parallel rank %d of %d "
                 "(%s, %s:%d)", rank, world, stage, pp_size, tp_rank, tp_size, backend,
                 master_addr, master_port)
     return (TensorParallelGroup(tp_rank, tp_size, tp_group),
-            PipelineParallelGroup(stage, pp_size, tp_rank, tp_size, control_group,
-                                  output_group))
+            PipelineParallelGroup(stage, pp_size, tp_rank, tp_size, group,
+                                  control_group or group, output_group))
 
 
 def destroy_model_parallel() -> None:

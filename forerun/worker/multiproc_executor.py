@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from forerun import envs
 from forerun.config import EngineConfig
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
 from forerun.distributed.parallel_state import (
@@ -47,12 +48,16 @@ from forerun.worker.pipeline import PipelineComm
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN = "shutdown"
+# Sent while the engine idles, so that a rank waiting for the next call never waits longer
+# than the collective timeout (which would end it), and a hung rank is found while idle too.
+_PING = "ping"
 
 
 def _build_runner(config: EngineConfig, info: Any, num_blocks: int, rank: int, addr: str,
                   port: int, tracer: Tracer | None, spec_config: SpeculativeConfig | None
-                  ) -> ModelRunner:
-    """Join the engine's ranks, load this rank's share of the model, build its runner."""
+                  ) -> tuple[ModelRunner, dist.ProcessGroup | None]:
+    """Join the engine's ranks, load this rank's share of the model, build its runner;
+    returns it and the group the engine's calls arrive on."""
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
     mc = info.model_config
@@ -61,15 +66,12 @@ def _build_runner(config: EngineConfig, info: Any, num_blocks: int, rank: int, a
     stage = stage_layers(mc.num_hidden_layers, pp, pp_group.stage) if pp > 1 else None
     model = load_model(info.source, mc, dtype, device, config.quantization, tp_group, stage)
     pipeline = PipelineComm(pp_group, mc.hidden_size, dtype, device) if pp > 1 else None
-    return ModelRunner(model, num_blocks, config.block_size, mc.num_key_value_heads // tp,
+    runner = ModelRunner(model, num_blocks, config.block_size, mc.num_key_value_heads // tp,
                        mc.head_dim,
                        stage.num_stage_layers if stage is not None else mc.num_hidden_layers,
                        dtype, device, config.max_num_seqs, tracer, vocab_size=mc.vocab_size,
                        speculative_config=spec_config, pipeline=pipeline)
-
-
-def _control_group(runner: ModelRunner) -> dist.ProcessGroup | None:
-    return runner.pipeline.group.control_group if runner.pipeline is not None else None
+    return runner, pp_group.control_group
 
 
 def _send_call(payload: bytes, group: dist.ProcessGroup | None) -> None:
@@ -106,13 +108,15 @@ def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int,
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     take_cpu_share(*cpu_share)
     torch.manual_seed(config.seed)  # the same unseeded keys as rank 0
-    runner = _build_runner(config, info, num_blocks, rank, addr, port, None, spec_config)
-    group = _control_group(runner)
+    runner, group = _build_runner(config, info, num_blocks, rank, addr, port, None,
+                                  spec_config)
     try:
         while True:
             method, args = _recv_call(group)
             if method == _SHUTDOWN:
                 return
+            if method == _PING:
+                continue
             with torch.inference_mode():
                 getattr(runner, method)(*args)
     finally:
@@ -185,7 +189,7 @@ class MultiprocExecutor:
                                   spec_config, [config.data_parallel_rank * local + r
                                                 for r in range(1, local)], shares)
 
-        def init_rank0() -> ModelRunner:
+        def init_rank0() -> tuple[ModelRunner, dist.ProcessGroup | None]:
             # The worker thread runs every collective of this process. It is shared by every
             # engine in the process: its CPUs and thread count go back at shutdown.
             self._saved_cpus = os.sched_getaffinity(0)
@@ -194,23 +198,44 @@ class MultiprocExecutor:
             return _build_runner(config, info, num_blocks, 0, addr, port, tracer, spec_config)
 
         try:
-            self.runner: ModelRunner = self._pool.submit(init_rank0).result()
+            self.runner, self._control = self._pool.submit(init_rank0).result()
         except BaseException:
             self._kill_ranks()
             raise
         # With pipeline stages the calls go out from a thread of their own, in order.
-        self._control = _control_group(self.runner)
         self._sender = (ThreadPoolExecutor(1, thread_name_prefix="forerun-pp-control")
-                        if self._control is not None else None)
+                        if self.runner.pipeline is not None else None)
         self._sent: Future[None] | None = None
+        self._last_call = time.monotonic()
+        self._ping_interval_s = envs.collective_timeout_s() / 4
+        self._ping: Future[None] | None = None
+        threading.Thread(target=self._keep_alive, name="forerun-rank-ping",
+                         daemon=True).start()
         logger.info("%d ranks (tensor parallel %d, pipeline parallel %d; pids %s)", size,
                     config.tensor_parallel_size, config.pipeline_parallel_size,
                     [os.getpid(), *(p.pid for p in self._procs)])
 
+    def _keep_alive(self) -> None:
+        while not self._closed:
+            time.sleep(self._ping_interval_s / 2)
+            idle = time.monotonic() - self._last_call > self._ping_interval_s
+            if idle and not self._closed and (self._ping is None or self._ping.done()):
+                self._last_call = time.monotonic()
+                self._ping = self._pool.submit(self._send_ping)
+
+    def _send_ping(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._broadcast(_PING, ())
+        except Exception as exc:  # the next step fails on it too, and stops the engine
+            logger.warning("a rank did not answer while the engine was idle: %s", exc)
+
     def _broadcast(self, method: str, args: tuple) -> None:
+        self._last_call = time.monotonic()
         payload = pickle.dumps((method, args))
         if self._sender is None:
-            _send_call(payload, None)
+            _send_call(payload, self._control)
             return
         if self._sent is not None and self._sent.done():
             self._sent.result()  # a failed broadcast (a dead rank) fails this call
@@ -247,16 +272,19 @@ class MultiprocExecutor:
                 destroy_model_parallel()
                 os.sched_setaffinity(0, self._saved_cpus)
                 torch.set_num_threads(self._saved_threads)
+        grace_s = 10.0
         try:
             self._pool.submit(stop).result(timeout=30)
         except Exception as exc:
+            # The ranks did not all get the shutdown (one is dead or hung): no waiting.
             logger.warning("multi-process shutdown: %s", exc)
-        self._kill_ranks()
+            grace_s = 0.0
+        self._kill_ranks(grace_s)
         self._threads_guard.restore()
 
-    def _kill_ranks(self) -> None:
+    def _kill_ranks(self, grace_s: float = 10.0) -> None:
         for p in self._procs:
-            p.join(10)
+            p.join(grace_s)
             if p.is_alive():
                 p.kill()
                 p.join(5)

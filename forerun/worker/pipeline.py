@@ -67,7 +67,7 @@ class PipelineComm:
     def recv_intermediate(self, num_tokens: int) -> torch.Tensor:
         buf = torch.empty(self._shape[0], num_tokens, self._shape[1], dtype=self._dtype,
                           device=self._device)
-        dist.recv(buf, src=self.group.global_rank(self.group.stage - 1))
+        dist.recv(buf, src=self.group.global_rank(self.group.stage - 1), group=self.group.group)
         return buf
 
     def send_intermediate(self, intermediate: torch.Tensor) -> None:
@@ -75,7 +75,8 @@ class PipelineComm:
         # one send at a time keeps the order and bounds the memory held.
         self.wait_sends()
         t = intermediate.contiguous()
-        self._send = (dist.isend(t, dst=self.group.global_rank(self.group.stage + 1)), t)
+        self._send = (dist.isend(t, dst=self.group.global_rank(self.group.stage + 1),
+                                 group=self.group.group), t)
 
     def wait_sends(self) -> None:
         if self._send is not None:
