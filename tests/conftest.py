@@ -81,3 +81,29 @@ def assert_all_blocks_free(llm: Any) -> None:
     assert kv.num_free_blocks == kv.num_blocks, stats
     assert kv.num_deferred_blocks == 0, stats
     assert sched.num_running_reqs == 0 and sched.num_waiting_reqs == 0, stats
+
+
+@pytest.fixture(scope="module")
+def grammar_backend() -> Any:
+    """xgrammar over the default model's tokenizer, outside any engine."""
+    from forerun.config import EngineConfig
+    from forerun.engine.builder import resolve_model_info, shared_tokenizer
+    from forerun.structured.backend import XgrammarBackend
+
+    info = resolve_model_info(EngineConfig())
+    backend = XgrammarBackend(lambda: shared_tokenizer(info), info.vocab_size,
+                              info.eos_token_ids)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_server_client() -> Any:
+    """An openai client of the session's shared default server (test_server.py's)."""
+    import openai
+
+    from tests.server_harness import start_server
+
+    handle = start_server()
+    handle.wait_healthy()
+    return openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key="unused", max_retries=0)

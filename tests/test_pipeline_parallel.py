@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
-from forerun.distributed.parallel_state import free_port
 from forerun.distributed.pipeline_parallel import stage_layers
 from forerun.engine.async_llm import AsyncLLM
 from tests.conftest import assert_all_blocks_free
@@ -34,7 +31,9 @@ from tests.test_scheduler_properties import run as run_workload
 from tests.test_tensor_parallel import (
     PARAMS,
     PROMPTS,
+    assert_a_killed_rank_fails_the_run_and_leaves_no_process,
     assert_default_model_split_like_one_process,
+    assert_two_nodes_give,
     rank_pids,
     run,
 )
@@ -232,28 +231,8 @@ def test_an_engine_idle_longer_than_the_collective_timeout_still_runs(tiny_dir, 
 
 
 def test_two_nodes_on_localhost_run_one_stage_each(tiny_dir, want):
-    """--nnodes 2 -pp 2: node 1 is a `forerun serve --node-rank 1` process that runs the last
-    stage; this process is node 0 (the engine and the first stage)."""
-    port = free_port()
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "forerun.cli", "serve", "--model", str(tiny_dir),
-         "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
-         "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
-         "--master-addr", "127.0.0.1", "--master-port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        llm = LLM(pipeline_parallel_size=2, nnodes=2, node_rank=0, master_port=port,
-                  **kwargs(tiny_dir, "on"))
-        try:
-            assert run(llm) == want
-            assert rank_pids() == []  # the last stage runs on the other "node"
-        finally:
-            llm.shutdown()
-        code = node1.wait(60)
-        assert code == 0, node1.stdout.read().decode()[-3000:] if node1.stdout else code
-    finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
+    """--nnodes 2 -pp 2: node 1 runs the last stage, this process the engine and the first."""
+    assert_two_nodes_give(want, tiny_dir, pipeline_parallel_size=2, async_scheduling="on")
 
 
 # (async scheduling, queue depth, pipeline stages): the defaults for pp = 2 and 3, and the
@@ -299,18 +278,5 @@ def test_bad_sizes_are_refused_before_any_process_starts(tiny_dir):
 
 
 def test_a_dead_stage_is_an_error_not_a_hang_and_leaves_no_process(tiny_dir):
-    llm = LLM(pipeline_parallel_size=2, **kwargs(tiny_dir, "on"))
-    try:
-        (pid,) = rank_pids()
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(Exception):  # noqa: B017 - gloo's error type varies by cause
-            run(llm)
-        assert time.monotonic() - start < 90
-    finally:
-        llm.shutdown()
-    deadline = time.monotonic() + 15
-    while pid_alive(pid):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert rank_pids() == []
+    assert_a_killed_rank_fails_the_run_and_leaves_no_process(
+        LLM(pipeline_parallel_size=2, **kwargs(tiny_dir, "on")))

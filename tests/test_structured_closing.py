@@ -17,14 +17,11 @@ import pytest
 import xgrammar as xgr
 
 from forerun import SamplingParams, StructuredOutputsParams
-from forerun.config import EngineConfig
-from forerun.engine.builder import resolve_model_info, shared_tokenizer
 from forerun.server.structured import structured_outputs_of
-from forerun.structured.backend import XgrammarBackend
 from forerun.structured.closing import CLOSING_MARGIN, JsonLexer, walk_completion
 from forerun.structured.manager import StructuredOutputManager
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL
 
 S = StructuredOutputsParams
 CHECKER = jsonschema.FormatChecker()
@@ -63,14 +60,6 @@ DOCS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def backend():
-    info = resolve_model_info(EngineConfig())
-    b = XgrammarBackend(lambda: shared_tokenizer(info), info.vocab_size, info.eos_token_ids)
-    yield b
-    b.shutdown()
-
-
 def _spec(schema: dict[str, Any] | None, **opts: Any) -> S:
     return S(json_object=True, **opts) if schema is None else S(json=schema, **opts)
 
@@ -82,11 +71,11 @@ def _valid(text: str, schema: dict[str, Any] | None) -> None:
 # ----- the plan: from every prefix of a document, a completion the schema validates -----
 @pytest.mark.parametrize("any_ws", [False, True])
 @pytest.mark.parametrize("schema, value", DOCS)
-def test_every_prefix_completes_to_json_the_schema_validates(backend, schema, value, any_ws):
+def test_every_prefix_completes_to_json_the_schema_validates(grammar_backend, schema, value, any_ws):
     so = _spec(schema, disable_any_whitespace=not any_ws)
-    compiled = backend._compile(so)
+    compiled = grammar_backend._compile(so)
     doc = json.dumps(value)  # ", " and ": ": what the compact grammar takes
-    planner = backend.closing_planner()
+    planner = grammar_backend.closing_planner()
     for end in range(len(doc) + 1):
         m = xgr.GrammarMatcher(compiled)
         assert m.accept_string(doc[:end]), doc[:end]
@@ -104,9 +93,9 @@ def test_every_prefix_completes_to_json_the_schema_validates(backend, schema, va
         _valid(doc[:end] + "".join(planner.token_bytes[t].decode() for t in ids), schema)
 
 
-def test_the_plan_closes_the_innermost_structure_first(backend):
+def test_the_plan_closes_the_innermost_structure_first(grammar_backend):
     so = S(json=TAGS)
-    m = xgr.GrammarMatcher(backend._compile(so))
+    m = xgr.GrammarMatcher(grammar_backend._compile(so))
     prefix = '{"tags": ["blue", "bl'
     assert m.accept_string(prefix)
     lexer = JsonLexer()
@@ -238,15 +227,10 @@ def test_a_budget_too_small_for_any_completion_is_still_cut(llm_cache):
 
 
 # ----- through the server --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def client() -> openai.OpenAI:
-    handle: ServerHandle = start_server()  # the session's shared server (test_server.py)
-    handle.wait_healthy()
-    return openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key="unused", max_retries=0)
-
-
 @pytest.mark.slow
-def test_server_closes_json_within_max_tokens_unless_disabled(client: openai.OpenAI) -> None:
+def test_server_closes_json_within_max_tokens_unless_disabled(
+        shared_server_client: openai.OpenAI) -> None:
+    client = shared_server_client
     ask = [{"role": "user", "content": ASK[0][0] + " Answer in JSON."}]
     rf = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS}}
     r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=MAX_TOKENS,

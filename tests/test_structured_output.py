@@ -12,14 +12,12 @@ import pytest
 import xgrammar as xgr
 
 from forerun import SamplingParams, StructuredOutputsParams
-from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
 from forerun.core.kv_cache_manager import KVCacheManager
 from forerun.core.scheduler import Scheduler, SchedulerConfig
-from forerun.engine.builder import resolve_model_info, shared_tokenizer
 from forerun.engine.core import EngineCore
 from forerun.request import Request, RequestStatus
-from forerun.structured.backend import XgrammarBackend, validate_structured_outputs
+from forerun.structured.backend import validate_structured_outputs
 from forerun.structured.manager import StructuredOutputManager
 from forerun.trace import ENGINE_LANE, WORKER_LANE
 from tests.conftest import assert_all_blocks_free
@@ -231,14 +229,6 @@ def test_params_need_exactly_one_field():
 
 
 # ----- scheduler level: a rejected token, a grammar that never compiles -----------------
-@pytest.fixture(scope="module")
-def backend():
-    info = resolve_model_info(EngineConfig())
-    b = XgrammarBackend(lambda: shared_tokenizer(info), info.vocab_size, info.eos_token_ids)
-    yield b
-    b.shutdown()
-
-
 def _core(async_on: bool, manager: StructuredOutputManager,
           executor: object | None = None) -> EngineCore:
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
@@ -266,9 +256,9 @@ def _run(core: EngineCore) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("async_on", [False, True])
-def test_a_rejected_token_ends_only_its_own_request(backend, async_on):
+def test_a_rejected_token_ends_only_its_own_request(grammar_backend, async_on):
     # FakeExecutor ignores the mask and emits ids no grammar accepts.
-    core = _core(async_on, StructuredOutputManager(backend))
+    core = _core(async_on, StructuredOutputManager(grammar_backend))
     core.add_request(_request("plain-a", 6, 5))
     core.add_request(_request("grammar", 7, 5, S(regex="[a-z]+")))
     core.add_request(_request("plain-b", 3, 4))

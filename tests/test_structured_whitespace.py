@@ -14,7 +14,7 @@ import xgrammar as xgr
 from forerun import SamplingParams, StructuredOutputsParams
 from forerun.server.structured import structured_outputs_of
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL
 
 S = StructuredOutputsParams
 
@@ -145,15 +145,10 @@ def test_structured_output_cut_by_max_tokens_finishes_with_length(llm: Any) -> N
 
 
 # ----- through the server ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def client() -> openai.OpenAI:
-    handle: ServerHandle = start_server()  # the session's shared server (test_server.py)
-    handle.wait_healthy()
-    return openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key="unused", max_retries=0)
-
-
 @pytest.mark.slow
-def test_server_cut_json_says_length_and_the_option_is_an_extra(client: openai.OpenAI) -> None:
+def test_server_cut_json_says_length_and_the_option_is_an_extra(
+        shared_server_client: openai.OpenAI) -> None:
+    client = shared_server_client
     ask = [{"role": "user", "content": "Tags for a post about colours, as JSON."}]
     rf = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS}}
     r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,

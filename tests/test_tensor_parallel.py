@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,9 +109,9 @@ def test_a_size_the_model_cannot_split_by_is_refused_before_any_process_starts(t
     assert rank_pids() == []
 
 
-def test_a_dead_rank_is_an_error_not_a_hang_and_leaves_no_process(tiny_dir):
-    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4,
-              tensor_parallel_size=2)
+def assert_a_killed_rank_fails_the_run_and_leaves_no_process(llm: LLM) -> None:
+    """Kill ``llm``'s one rank process: the next run raises (well within the collective
+    timeout), and after shutdown no rank process is left."""
     try:
         (pid,) = rank_pids()
         os.kill(pid, signal.SIGKILL)
@@ -127,33 +128,45 @@ def test_a_dead_rank_is_an_error_not_a_hang_and_leaves_no_process(tiny_dir):
     assert rank_pids() == []
 
 
-def test_two_nodes_on_localhost_give_the_tokens_of_one_process(tiny_dir):
-    """--nnodes 2: node 1 is a `forerun serve --node-rank 1` process that runs rank 1 only;
-    this process is node 0 (the engine and rank 0); they meet over TCP."""
-    kw = dict(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4)
-    one = LLM(**kw)
-    want = run(one)
-    one.shutdown()
+def test_a_dead_rank_is_an_error_not_a_hang_and_leaves_no_process(tiny_dir):
+    assert_a_killed_rank_fails_the_run_and_leaves_no_process(LLM(
+        model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4,
+        tensor_parallel_size=2))
+
+
+def assert_two_nodes_give(want: list[list[int]], model_dir: Path, **kw: Any) -> None:
+    """Node 1 is a `forerun serve --node-rank 1` process that runs its ranks only; this
+    process is node 0 (the engine and its ranks); they meet over TCP. ``kw`` are the
+    engine's settings (sizes and async mode), given to both nodes."""
     port = free_port()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "forerun.cli", "serve", "--model", str(tiny_dir),
-         "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
-         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
-         "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        [sys.executable, "-m", "forerun.cli", "serve", "--model", str(model_dir),
+         "--dtype", "float32", "--max-model-len", "128", "--block-size", "4", *flags,
+         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        llm = LLM(tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port, **kw)
+        llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, block_size=4,
+                  nnodes=2, node_rank=0, master_port=port, **kw)
         try:
             assert run(llm) == want
-            assert rank_pids() == []  # rank 1 runs on the other "node"
+            assert rank_pids() == []  # the other ranks run on the other "node"
         finally:
             llm.shutdown()
-        # Node 0 ended the group: node 1's rank and node 1 itself exit cleanly.
+        # Node 0 ended the group: node 1's ranks and node 1 itself exit cleanly.
         code = node1.wait(60)
         assert code == 0, node1.stdout.read().decode()[-3000:] if node1.stdout else code
     finally:
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
+
+
+def test_two_nodes_on_localhost_give_the_tokens_of_one_process(tiny_dir):
+    one = LLM(model=str(tiny_dir), dtype="float32", max_model_len=128, block_size=4)
+    want = run(one)
+    one.shutdown()
+    assert_two_nodes_give(want, tiny_dir, tensor_parallel_size=2)
 
 
 def test_multi_node_settings_are_checked():
