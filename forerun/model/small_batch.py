@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forerun import envs
-from forerun.model import cpu_kernels
+from forerun.model import cpu_kernels, huge_pages
 from forerun.model.attention import AttentionMetadata, KVCache
 from forerun.model.quant.gguf_linear import GGUFLinear
 
@@ -141,6 +141,21 @@ class SmallBatchStack:
             head = self.model.lm_head
             linears["head"] = cpu_kernels.pack_small_matmul_weight(
                 head.weight if head is not None else self.model.model.embed_tokens.weight)
+        # A step streams these one after another: in huge pages it streams them at the rate
+        # of one long read (see huge_pages.py). The bfloat16 copies and the GGUF blocks move
+        # there; float32 reads the model's own weights, which a second copy would double.
+        packed = [w for w in linears.values() if w.data.dtype == torch.bfloat16]
+        for w, data in zip(packed, huge_pages.arena_copy([w.data for w in packed]),
+                           strict=True):
+            w.data = data
+        if self.quantized:
+            gguf = [m for _, m in self._layer_linears()]
+            if isinstance(self.model.quant_head, GGUFLinear):
+                gguf.append(self.model.quant_head)
+            copies = iter(huge_pages.arena_copy(
+                [t for m in gguf for t in m.resident_tensors()]))
+            for m in gguf:
+                m.relocate([next(copies) for _ in m.resident_tensors()])
         self._linears = linears
 
     def resident_tensors(self) -> list[torch.Tensor]:

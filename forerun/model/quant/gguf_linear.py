@@ -96,6 +96,15 @@ class GGUFLinear(nn.Module):
         """The tiles (for :func:`forerun.model.quant.resident_weight_bytes`)."""
         return [tiles for _, _, tiles in self.tiles]
 
+    def relocate(self, tiles: list[torch.Tensor]) -> None:
+        """Read the tiles from ``tiles`` from now on: copies of :meth:`resident_tensors`, in
+        its order, somewhere else in memory (see forerun.model.huge_pages)."""
+        assert [t.shape for t in tiles] == [t.shape for t in self.resident_tensors()]
+        self.tiles = [(qtype, rows, new) for (qtype, rows, _), new in
+                      zip(self.tiles, tiles, strict=True)]
+        for i, new in enumerate(tiles):
+            self.desc.data[i] = new.data_ptr()
+
     def extra_repr(self) -> str:
         types = "+".join(TYPE_NAMES[t] for t, _, _ in self.tiles)
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
