@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 import forerun.model.gguf_file as gguf_file
@@ -129,8 +130,8 @@ def _forbid_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gguf_file, "GGUFReader", boom)
     monkeypatch.setattr(loader, "open_gguf", boom)
-    monkeypatch.setattr(loader.AutoTokenizer, "from_pretrained",
-                        _only_folder(loader.AutoTokenizer.from_pretrained))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        _only_folder(transformers.AutoTokenizer.from_pretrained))
 
 
 def _only_folder(real: Any) -> Any:

@@ -89,7 +89,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (empty) weight skips nn.Embedding's random init: on the meta device
+        # that init imports torch._dynamo, 2-3 s of every process's model load.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, o_proj_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )

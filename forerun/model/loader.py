@@ -6,11 +6,10 @@ import json
 import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from forerun.distributed.parallel_state import TensorParallelGroup
 from forerun.distributed.pipeline_parallel import PipelineStage, prune_to_stage, stage_weights
@@ -37,6 +36,9 @@ from forerun.model.safetensors_weights import (
     safetensors_weights,
 )
 from forerun.model.source import ModelSource, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +192,8 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
         tok = entry.load_tokenizer()
         if tok is not None:
             return tok
+    from transformers import AutoTokenizer  # ~1 s to import: only where a tokenizer loads
+
     try:
         if source.is_gguf:
             tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)

@@ -1,4 +1,8 @@
-"""The xgrammar backend: spec validation, compilation off the scheduler thread, matchers."""
+"""The xgrammar backend: spec validation, compilation off the scheduler thread, matchers.
+
+xgrammar is imported where a grammar is first needed, not with this module: it takes
+about half a second, and most engine, API and rank processes never build a grammar.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,15 @@ import logging
 import re
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from forerun.structured.closing import ClosingPlanner
 from forerun.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,8 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     compilation happens later on the backend's thread.
     """
     kind = params.kind
+    import xgrammar as xgr
+
     try:
         if kind == "json":
             schema = _schema_dict(params)
@@ -119,6 +127,8 @@ class StructuredGrammar:
     __slots__ = ("matcher", "num_accepted")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
 
@@ -158,6 +168,8 @@ class XgrammarBackend:
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
+            import xgrammar as xgr
+
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer_factory(), vocab_size=self.vocab_size,
                 stop_token_ids=self._stop_token_ids or None)
@@ -205,6 +217,8 @@ class XgrammarBackend:
         return compiler.compile_grammar(params.grammar or "")
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def shutdown(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 _BITS = 32
 
@@ -35,6 +34,8 @@ class GrammarBitmask:
             return logits
         dev = logits.device
         if dev.type in ("cpu", "cuda"):
+            import xgrammar as xgr  # slow to import; see structured/backend.py
+
             # xgrammar's kernel masks row i of the logits with row i of the mask, for the
             # listed rows only: scatter our rows to their logits rows first.
             full = self.bitmask.new_full((logits.shape[0], self.bitmask.shape[1]), -1)
