@@ -145,9 +145,10 @@ class SmallBatchStack:
         # of one long read (see huge_pages.py). The bfloat16 copies and the GGUF blocks move
         # there; float32 reads the model's own weights, which a second copy would double.
         packed = [w for w in linears.values() if w.data.dtype == torch.bfloat16]
-        for w, data in zip(packed, huge_pages.arena_copy([w.data for w in packed]),
-                           strict=True):
-            w.data = data
+        if packed:
+            for w, data in zip(packed, huge_pages.arena_copy([w.data for w in packed]),
+                               strict=True):
+                w.data = data
         if self.quantized:
             gguf = [m for _, m in self._layer_linears()]
             if isinstance(self.model.quant_head, GGUFLinear):
