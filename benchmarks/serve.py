@@ -18,7 +18,9 @@ is an HF folder: ``--tokenizer``, else ``--vllm-model``. Every server serves the
 one name (``--served-model-name SmolLM2-135M-Instruct``), so either client can address
 either server. ``--servers`` picks a subset of forerun-on, forerun-off and vllm; vllm needs
 ``--vllm-python`` and ``--vllm-model``. With vLLM's server in the run, the forerun/vLLM ratio
-of output tok/s is printed per concurrency.
+of output tok/s is printed per concurrency. ``--rounds N`` runs the whole sequence N times,
+the servers in turn, and takes the ratios from medians: one round runs every concurrency of
+one server before the next, so a machine that slows down mid-run biases the ratio.
 
 vLLM needs an HF folder (see ../shared/reference/peer-baselines.md for how to make one from
 the GGUF) and its own virtual environment; it is skipped when not given.
@@ -31,6 +33,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,6 +137,22 @@ def server_commands(args: argparse.Namespace
     return servers
 
 
+def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (server, concurrency): the median of each number over the rounds."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["concurrency"]), []).append(r)
+    out = []
+    for (server, c), rs in groups.items():
+        row: dict[str, Any] = {"server": server, "concurrency": c, "round": "median"}
+        for key in rs[0]:
+            values = [r[key] for r in rs]
+            if key not in row and all(isinstance(v, (int, float)) for v in values):
+                row[key] = statistics.median(values)
+        out.append(row)
+    return out
+
+
 def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """forerun output tok/s over vLLM's, per concurrency (empty without a vLLM server)."""
     vllm = {r["concurrency"]: r["output_tok_s"] for r in rows if r["server"].startswith("vLLM")}
@@ -163,6 +182,8 @@ def main() -> None:
     ap.add_argument("--vllm-model", default=None, help="HF folder of SmolLM2 for vLLM")
     ap.add_argument("--tokenizer", default=None,
                     help="HF folder for vllm bench serve's tokenizer (default: --vllm-model)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every server this many times, in turn; tables report medians")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.concurrency is None:
@@ -172,28 +193,34 @@ def main() -> None:
         ap.error("--client vllm needs --vllm-python and --tokenizer (or --vllm-model)")
     bench = bench_forerun if args.client == "forerun" else bench_vllm
 
+    # Each round runs every server once, so with --rounds > 1 the servers take turns and a
+    # machine whose speed drifts during the run slows all of them, not just the last.
     rows = []
-    for name, (cmd, env) in server_commands(args).items():
-        port = free_port()
-        proc = start([*cmd, "--port", str(port)], port, env)
-        try:
-            for c in args.concurrency:
-                n = num_prompts(args, c)
-                r = bench(port, c, n, args)
-                row = {"server": name, "concurrency": c, "num_prompts": n}
-                row.update({k: r.get(k) for k in ROW_KEYS})
-                row["output_tok_s"] = row.pop("output_throughput")
-                row["req_s"] = row.pop("request_throughput")
-                rows.append(row)
-                print(f"{name} c={c}: {row['output_tok_s']:.1f} tok/s", flush=True)
-        finally:
-            stop(proc)
-    print(markdown_table(rows, COLUMNS))
-    ratios = ratio_rows(rows)
+    for rnd in range(args.rounds):
+        for name, (cmd, env) in server_commands(args).items():
+            port = free_port()
+            proc = start([*cmd, "--port", str(port)], port, env)
+            try:
+                for c in args.concurrency:
+                    n = num_prompts(args, c)
+                    r = bench(port, c, n, args)
+                    row = {"server": name, "concurrency": c, "round": rnd, "num_prompts": n}
+                    row.update({k: r.get(k) for k in ROW_KEYS})
+                    row["output_tok_s"] = row.pop("output_throughput")
+                    row["req_s"] = row.pop("request_throughput")
+                    rows.append(row)
+                    print(f"{name} c={c} round {rnd}: {row['output_tok_s']:.1f} tok/s",
+                          flush=True)
+            finally:
+                stop(proc)
+    table = rows if args.rounds == 1 else rows + median_rows(rows)
+    print(markdown_table(table, COLUMNS if args.rounds == 1 else ["round", *COLUMNS]))
+    ratios = ratio_rows(rows if args.rounds == 1 else median_rows(rows))
     if ratios:
         print("\nforerun / vLLM, output tok/s:\n")
         print(markdown_table(ratios, list(ratios[0])))
-    data = {"args": vars(args), "rows": rows, "ratios_vs_vllm": ratios}
+    data = {"args": vars(args), "rows": rows, "medians": median_rows(rows),
+            "ratios_vs_vllm": ratios}
     print(f"\nwrote {write_json('serve.json', data, args.json)}")
 
 
