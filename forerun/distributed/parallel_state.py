@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 
 
-
 @dataclass(slots=True)
 class TensorParallelGroup:
     """This process's place in its tensor-parallel group (one pipeline stage's ranks)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-from pathlib import Path
 
 import torch
 
@@ -61,14 +60,3 @@ def arena_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(dst)
     return out
 
-
-def huge_page_bytes() -> int:
-    """This process's anonymous memory in transparent huge pages (Linux; 0 elsewhere)."""
-    try:
-        text = Path("/proc/self/smaps_rollup").read_text()
-    except OSError:
-        return 0
-    for line in text.splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0

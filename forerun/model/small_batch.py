@@ -145,16 +145,14 @@ class SmallBatchStack:
         # of one long read (see huge_pages.py). The bfloat16 copies and the GGUF blocks move
         # there; float32 reads the model's own weights, which a second copy would double.
         packed = [w for w in linears.values() if w.data.dtype == torch.bfloat16]
-        if packed:
-            for w, data in zip(packed, huge_pages.arena_copy([w.data for w in packed]),
-                               strict=True):
-                w.data = data
-        if self.quantized:
-            gguf = [m for _, m in self._layer_linears()]
-            if isinstance(self.model.quant_head, GGUFLinear):
-                gguf.append(self.model.quant_head)
-            copies = iter(huge_pages.arena_copy(
-                [t for m in gguf for t in m.resident_tensors()]))
+        gguf = [m for _, m in self._layer_linears()] if self.quantized else []
+        if self.quantized and isinstance(self.model.quant_head, GGUFLinear):
+            gguf.append(self.model.quant_head)
+        tiles = [t for m in gguf for t in m.resident_tensors()]
+        if packed or tiles:
+            copies = iter(huge_pages.arena_copy([w.data for w in packed] + tiles))
+            for w in packed:
+                w.data = next(copies)
             for m in gguf:
                 m.relocate([next(copies) for _ in m.resident_tensors()])
         self._linears = linears
