@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -128,7 +129,7 @@ def server_commands(args: argparse.Namespace
             servers[f"forerun async={mode}"] = (
                 [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype,
                  "--async-scheduling", mode, "--max-model-len", "2048",
-                 "--served-model-name", MODEL_NAME], None)
+                 "--served-model-name", MODEL_NAME, *shlex.split(args.forerun_args)], None)
     if "vllm" in args.servers and args.vllm_python and args.vllm_model:
         servers["vLLM CPU (sync)"] = (
             [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
@@ -184,6 +185,9 @@ def main() -> None:
                     help="HF folder for vllm bench serve's tokenizer (default: --vllm-model)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every server this many times, in turn; tables report medians")
+    ap.add_argument("--forerun-args", default="",
+                    help="extra flags for forerun serve, one string, e.g. "
+                         "'--max-num-batched-tokens 1024'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.concurrency is None:

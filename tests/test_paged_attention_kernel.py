@@ -94,6 +94,9 @@ CASES = [
     ([(20, 20), (63, 1)], 6, 1, 16, 64),  # one kv head for all; chunk across blocks
     ([(30, 1), (0, 5), (17, 3)], 10, 2, 16, 128),  # head_dim 128 (Qwen); five heads per kv head
     ([(40, 2), (7, 1)], 4, 1, 32, 64),  # a block size the AVX-512 scorer does not take
+    ([(0, 5), (0, 5), (0, 5)], 9, 3, 16, 64),  # only prompts of one length: SDPA's output as is
+    # Decode, three equal prompts (one SDPA call), chunk, prompts of two lengths, decode.
+    ([(3, 1), (0, 6), (0, 6), (0, 6), (10, 4), (0, 6), (0, 3), (8, 1)], 9, 3, 16, 64),
 ]
 
 
@@ -120,6 +123,15 @@ def test_torch_paged_attention_matches_float64_oracle(
     _force_torch_path(monkeypatch)
     step = Step(case, *CASES[case], torch.float32)
     torch.testing.assert_close(step.run().double(), step.oracle(), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_split_sends_prompts_from_position_0_to_sdpa_in_runs_of_one_length() -> None:
+    step = Step(0, *CASES[-1], torch.float32)
+    fresh, ranges = step.meta.kernel_split()
+    # (first row, prompts, length): rows 1-18 are three 6-token prompts, then one of 6, one of 3.
+    assert fresh == [(1, 3, 6), (23, 1, 6), (29, 1, 3)]
+    # Everything else stays with the C kernel: the decode, the chunk, the last decode.
+    assert ranges == [(0, 1), (19, 23), (32, 33)]
 
 
 @needs_kernels

@@ -14,8 +14,10 @@ let the C kernel score a whole block with vertical multiply-adds (one vector lan
 instead of a horizontal reduction per key, which made decode attention about 2x faster.
 
 On CPU (float32/bfloat16) each layer makes two C calls (forerun/model/cpu_kernels.py): one
-stores the new K/V rows in their slots, one attends every query token of the step over its
-paged context straight from the cache, prefill chunks and decodes alike. Elsewhere, or where
+stores the new K/V rows in their slots, one attends the step's query tokens over their paged
+context straight from the cache, decodes and prefill chunks with earlier context alike.
+Prompt chunks that start at position 0 have no context but their own new rows; those go to
+SDPA instead, one call per run of adjacent chunks of one length. Elsewhere, or where
 the kernels could not be built, the torch path below computes the same function: decodes in
 one batched gather + matmul call, prefill chunks with SDPA one sequence at a time.
 
@@ -106,6 +108,11 @@ class AttentionMetadata:
     # positions it sees (its position + 1); built on first use.
     token_seq: torch.Tensor | None = None
     token_len: torch.Tensor | None = None
+    # For the C kernel path: runs of adjacent prompt chunks that start at position 0 and
+    # have one length, as (first row, count, length), and the row ranges of every other
+    # token; built on first use.
+    fresh_runs: list[tuple[int, int, int]] | None = None
+    kernel_ranges: list[tuple[int, int]] | None = None
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(token_seq, token_len)`` for :func:`cpu_kernels.paged_attention`."""
@@ -119,6 +126,30 @@ class AttentionMetadata:
             self.token_seq = torch.from_numpy(seq).to(device)
             self.token_len = torch.from_numpy(np.repeat(first, q_lens) + offset).to(device)
         return self.token_seq, self.token_len
+
+    def kernel_split(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """``(fresh_runs, kernel_ranges)``: the prompt chunks with no earlier context, in
+        runs of one length, and the row ranges of the other tokens (decodes, later chunks)."""
+        if self.fresh_runs is None or self.kernel_ranges is None:
+            runs: list[tuple[int, int, int]] = []
+            ranges: list[tuple[int, int]] = []
+            row = 0
+            for span in self.prefills:
+                q_len = span.end - span.start
+                if span.seq_len != q_len:
+                    continue
+                if span.start > row:
+                    ranges.append((row, span.start))
+                if runs and runs[-1][0] + runs[-1][1] * runs[-1][2] == span.start \
+                        and runs[-1][2] == q_len:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1, q_len)
+                else:
+                    runs.append((span.start, 1, q_len))
+                row = span.end
+            if row < self.num_tokens:
+                ranges.append((row, self.num_tokens))
+            self.fresh_runs, self.kernel_ranges = runs, ranges
+        return self.fresh_runs, self.kernel_ranges
 
     @classmethod
     def build(
@@ -280,6 +311,23 @@ def _prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def _fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                            count: int, length: int, scale: float) -> torch.Tensor:
+    """Causal attention of ``count`` adjacent prompt chunks of ``length`` tokens that start
+    at position 0, so their new K/V rows are their whole context; returns
+    ``[count * length, H, D]``.
+
+    The C kernel walks each query's context row by row, which suits a decode; a prompt's
+    queries all read the same keys, and SDPA's tiled kernel computes them as matrix products,
+    about 4x faster for a batch of 128-token prompts in bf16 on a 2-core CPU."""
+    end = start + count * length
+    heads = lambda x: x[start:end].unflatten(0, (count, length)).transpose(1, 2)  # noqa: E731
+    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    # SDPA lays its output out token-major, so this is a view, not a copy.
+    return out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2])
+
+
 def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not cpu_kernels.supports(q.dtype, q.device):
         return False
@@ -302,8 +350,22 @@ def paged_attention(
     if _use_kernels(q, k, v):
         cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache)
         token_seq, token_len = meta.token_indices()
-        out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, token_seq,
-                                          token_len, scale)
+        fresh, ranges = meta.kernel_split()
+        if not fresh:
+            out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                              token_seq, token_len, scale)
+            return out.view(t, num_heads * d)
+        if not ranges and len(fresh) == 1:  # only prompts of one length: no copy into out
+            start, count, length = fresh[0]
+            return _fresh_prompt_attention(q, k, v, start, count, length, scale).reshape(
+                t, num_heads * d)
+        out = q.new_empty(t, num_heads, d)
+        for lo, hi in ranges:
+            cpu_kernels.paged_attention(q[lo:hi], k_cache, v_cache, meta.block_tables,
+                                        token_seq[lo:hi], token_len[lo:hi], scale, out[lo:hi])
+        for start, count, length in fresh:
+            out[start:start + count * length] = _fresh_prompt_attention(
+                q, k, v, start, count, length, scale)
         return out.view(t, num_heads * d)
     meta.build_torch_path()
     write_kv(k, v, k_cache, v_cache, meta)
