@@ -9,7 +9,7 @@ them per call).
 | ``FORERUN_CPU_PREPACK`` | ``1`` | ``0``: plain linear weights (no oneDNN reorder) |
 | ``FORERUN_SINGLE_OMP_TEAM`` | ``1`` | ``0``: leave the engine thread's torch thread count alone |
 | ``FORERUN_API_KEY`` | unset | ``forerun serve``'s API key when ``--api-key`` is not given (a flag shows in ``ps``) |
-| ``FORERUN_SMALL_BATCH_TOKENS`` | ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
+| ``FORERUN_SMALL_BATCH_TOKENS`` | ``128`` in bfloat16 with AMX, else ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
 | ``FORERUN_HUGE_PAGES`` | ``1`` | ``0``: the small-batch path's packed weights are not advised for transparent huge pages |
 | ``FORERUN_COLLECTIVE_TIMEOUT_S`` | ``60`` | a TP/PP rank that does not answer a collective or a send within this many seconds fails the step (a hung rank becomes an error) |
 """
@@ -56,9 +56,12 @@ def huge_pages_enabled() -> bool:
     return _flag("FORERUN_HUGE_PAGES")
 
 
-def small_batch_tokens() -> int:
-    """Largest step (in tokens) for the one-call small-batch path; 0 = off."""
-    value = os.environ.get("FORERUN_SMALL_BATCH_TOKENS", "8")
+def small_batch_tokens() -> int | None:
+    """Largest step (in tokens) for the one-call small-batch path; 0 = off; None (unset):
+    the path's own default (``SmallBatchStack.max_tokens``)."""
+    value = os.environ.get("FORERUN_SMALL_BATCH_TOKENS")
+    if value is None:
+        return None
     try:
         return max(0, int(value))
     except ValueError:

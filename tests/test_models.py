@@ -176,6 +176,28 @@ def test_bfloat16_runs_and_is_close(tiny) -> None:
     assert (got - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
 
 
+@pytest.mark.parametrize("tokens", ["1000", "0"])
+def test_bfloat16_batch_of_twenty_decodes_close_on_both_paths(
+        tiny, tokens: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch past 8 rows: in the one-call stack the small matmul runs it on AMX tiles where
+    # the CPU has them ("1000"); op by op it goes through oneDNN ("0").
+    if cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", tokens)
+    hf, _, folder = tiny
+    source = resolve_model(str(folder))
+    ours = load_model(source, load_model_config(source), torch.bfloat16, CPU)
+    prompts = [[(t + 13 * i) % 300 + 3 for t in PROMPT[:5 + i % 4]] for i in range(20)]
+    driver = PagedDriver(ours, num_blocks=512)
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            driver.step([(i, p[:-1])])
+        got = driver.step([(i, p[-1:]) for i, p in enumerate(prompts)])
+    for p, logits in zip(prompts, got, strict=True):
+        ref = _hf_logits(hf, p)[-1]
+        assert (logits[0] - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
+
+
 def test_generation_config_eos_wins(tiny) -> None:
     _, _, folder = tiny
     cfg = json.loads((folder / "config.json").read_text())

@@ -48,3 +48,33 @@ def test_small_matmul_keeps_leading_dimensions() -> None:
 def test_bfloat16_packing_needs_an_even_inner_dimension() -> None:
     with pytest.raises(ValueError, match="even inner dimension"):
         cpu_kernels.pack_small_matmul_weight(torch.zeros(4, 33, dtype=torch.bfloat16))
+
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.small_matmul_has_amx(),
+                               reason="the CPU (or kernel) grants no AMX tiles")
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(64, 576), (48, 64), (67, 96), (16, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_small_matmul_matches_float64(m: int, n: int, k: int, with_bias: bool) -> None:
+    # Row counts one tile, a partial tile, two tiles and several passes of two; column
+    # blocks in pairs, an odd block out, and a padded last block.
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    got = cpu_kernels.small_matmul(x, cpu_kernels.pack_small_matmul_weight(w), b,
+                                   amx_only=True)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert ((got.double() - ref).abs() / (ref.abs() + 1.0)).max().item() < 8e-3
+
+
+@needs_amx
+def test_amx_small_matmul_needs_k_a_multiple_of_32() -> None:
+    w = cpu_kernels.pack_small_matmul_weight(torch.ones(16, 34, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="AMX"):
+        cpu_kernels.small_matmul(torch.ones(16, 34, dtype=torch.bfloat16), w, None,
+                                 amx_only=True)

@@ -48,6 +48,7 @@ _LINK_FLAGS = ["-fopenmp", "-shared"]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _bf16_fast: bool | None = None  # small_matmul_is_fast(bfloat16), once known
+_amx: bool | None = None  # small_matmul_has_amx(), once known
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64 = ctypes.c_int64
@@ -137,6 +138,8 @@ def _load() -> ctypes.CDLL | None:
     lib.argmax_rows_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.small_matmul_bf16_is_fast.restype = ctypes.c_int
     lib.small_matmul_bf16_is_fast.argtypes = []
+    lib.small_matmul_bf16_amx.restype = ctypes.c_int
+    lib.small_matmul_bf16_amx.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.sample_rows_f32.restype = ctypes.c_int
     lib.sample_rows_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
     return lib
@@ -337,20 +340,42 @@ def pack_small_matmul_weight(weight: torch.Tensor) -> SmallMatmulWeight:
     return SmallMatmulWeight(data, n, k)
 
 
-def small_matmul(x: torch.Tensor, weight: SmallMatmulWeight, bias: torch.Tensor | None
-                 ) -> torch.Tensor:
+def small_matmul(x: torch.Tensor, weight: SmallMatmulWeight, bias: torch.Tensor | None,
+                 amx_only: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` with few rows, streaming the
-    weight once for all rows."""
+    weight once for all rows (in bfloat16 on AMX tiles past 8 rows, where the CPU has them;
+    ``amx_only`` insists on that body, for tests)."""
     k, n = weight.k, weight.n
     assert x.is_contiguous() and x.shape[-1] == k and x.dtype == weight.data.dtype
     assert bias is None or bias.dtype == x.dtype
     out = x.new_empty(*x.shape[:-1], n)
-    rc = _fn("small_matmul", x.dtype)(x.data_ptr(), weight.data.data_ptr(),
-                                      None if bias is None else bias.data_ptr(),
-                                      out.data_ptr(), x.numel() // k, n, k)
+    lib = kernel_library()
+    assert lib is not None, "call supports() first"
+    fn = lib.small_matmul_bf16_amx if amx_only else _fn("small_matmul", x.dtype)
+    rc = fn(x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), x.numel() // k, n, k)
+    if rc == -2:
+        raise RuntimeError("the AMX body of the small matmul cannot run here")
     if rc != 0:
         raise MemoryError("small matmul could not allocate its scratch space")
     return out
+
+
+def small_matmul_has_amx() -> bool:
+    """True where the bfloat16 small matmul runs batches of more than 8 rows on AMX tiles
+    (built with AMX, and the kernel grants the tile state), reading each weight once."""
+    global _amx
+    if _amx is None:
+        _amx = False
+        if kernel_library() is not None and small_matmul_is_fast(torch.bfloat16):
+            w = pack_small_matmul_weight(torch.ones(16, 32, dtype=torch.bfloat16))
+            try:
+                y = small_matmul(torch.ones(16, 32, dtype=torch.bfloat16), w, None,
+                                 amx_only=True)
+                _amx = bool((y == 32).all())
+            except RuntimeError:
+                pass
+    return _amx
 
 
 # ---- quantized weights (csrc/quant_matmul.c) -----------------------------------------------

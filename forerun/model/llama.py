@@ -196,7 +196,7 @@ class LlamaForCausalLM(CausalLM):
         # where it cannot run, no copy is made and the path stays off.
         dtype = next(self.parameters()).dtype
         # TP and PP turn the path off before this (it runs every layer in one call).
-        if (envs.small_batch_tokens() > 0 and self.small_batch.available
+        if (envs.small_batch_tokens() != 0 and self.small_batch.available
                 and self.small_batch.can_run(dtype)):
             self.small_batch.pack()
         else:
