@@ -44,12 +44,13 @@ def test_rms_norm_kernel_matches_exact_norm_and_leaves_input_alone(dtype: torch.
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_residual_norm_returns_sum_and_its_norm(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dim", [64, 72])  # bf16: the 16-wide body, and the general one
+def test_fused_residual_norm_returns_sum_and_its_norm(dtype: torch.dtype, dim: int) -> None:
     gen = torch.Generator().manual_seed(1)
-    norm = RMSNorm(64, 1e-6).to(dtype)
-    norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
-    x = torch.randn(5, 64, generator=gen).to(dtype)
-    residual = torch.randn(5, 64, generator=gen).to(dtype)
+    norm = RMSNorm(dim, 1e-6).to(dtype)
+    norm.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+    x = torch.randn(5, dim, generator=gen).to(dtype)
+    residual = torch.randn(5, dim, generator=gen).to(dtype)
     total = x + residual  # the sum rounded to dtype, as the model's residual stream holds it
     out, new_residual = norm.forward_with_residual(x.clone(), residual.clone())
     assert torch.equal(new_residual, total)
@@ -58,13 +59,14 @@ def test_fused_residual_norm_returns_sum_and_its_norm(dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_kernel_matches_gated_mlp_formula(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d", [40, 48])  # bf16: the general body, and the 16-wide one
+def test_silu_and_mul_kernel_matches_gated_mlp_formula(dtype: torch.dtype, d: int) -> None:
     gen = torch.Generator().manual_seed(2)
-    gate_up = (torch.randn(9, 2 * 40, generator=gen) * 4).to(dtype)
-    g, u = gate_up.double().split(40, dim=-1)
+    gate_up = (torch.randn(9, 2 * d, generator=gen) * 4).to(dtype)
+    g, u = gate_up.double().split(d, dim=-1)
     want = F.silu(g) * u
     got = cpu_kernels.silu_and_mul(gate_up)
-    assert got.shape == (9, 40) and got.dtype == dtype
+    assert got.shape == (9, d) and got.dtype == dtype
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
     mlp = GatedMLP(16, 40).to(dtype)  # the module uses the kernel on this path
     x = torch.randn(3, 16, generator=gen).to(dtype)

@@ -8,6 +8,7 @@
  * RMSNorm normalises in float32, rounds, then scales by the weight.
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -67,8 +68,73 @@ int rms_norm_f32(float *x, float *residual, const float *weight, int64_t rows, i
     return 0;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* bfloat16 rows with the CPU's own conversion instruction (round to nearest even, as
+ * f32_to_bf16; it reads subnormal floats as zero, which activations never are): the
+ * bit-twiddled rounding above costs about as much as the rest of the arithmetic, and these
+ * kernels run over whole prefill steps. Rows must be a multiple of 16 long. */
+#define BF16_VEC 1
+INLINE __m512 ld16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+INLINE __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+INLINE __m512 widen16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void add_rms_norm_rows_bf16(uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                                   int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
+        const uint16_t *src = rr ? rr : xr;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 16) {
+            __m512 h = ld16(xr + i);
+            if (rr) {
+                const __m256i hb = round16(_mm512_add_ps(h, ld16(rr + i)));
+                _mm256_storeu_si256((__m256i *)(rr + i), hb);
+                h = widen16(hb);
+            }
+            acc = _mm512_fmadd_ps(h, h, acc);
+        }
+        const __m512 rstd = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 n = widen16(round16(_mm512_mul_ps(ld16(src + i), rstd)));
+            _mm256_storeu_si256((__m256i *)(xr + i), round16(_mm512_mul_ps(ld16(weight + i), n)));
+        }
+    }
+}
+
+static void silu_and_mul_rows_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
+                                   int64_t d) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *g = gate_up + r * 2 * d, *u = g + d;
+        uint16_t *o = out + r * d;
+        for (int64_t i = 0; i < d; i += 16) {
+            float buf[16] __attribute__((aligned(64)));
+            _mm512_store_ps(buf, ld16(g + i));
+#pragma omp simd
+            for (int j = 0; j < 16; ++j) buf[j] = buf[j] / (1.f + expf(-buf[j]));
+            _mm256_storeu_si256((__m256i *)(o + i),
+                                round16(_mm512_mul_ps(_mm512_load_ps(buf), ld16(u + i))));
+        }
+    }
+}
+#endif
+
 int rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *weight, int64_t rows,
                   int64_t dim, float eps) {
+#ifdef BF16_VEC
+    if (dim % 16 == 0) {
+        add_rms_norm_rows_bf16(x, residual, weight, rows, dim, eps);
+        return 0;
+    }
+#endif
     add_rms_norm_rows(x, residual, weight, rows, dim, eps, 1);
     return 0;
 }
@@ -92,6 +158,12 @@ int silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t d) 
 }
 
 int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t d) {
+#ifdef BF16_VEC
+    if (d % 16 == 0) {
+        silu_and_mul_rows_bf16(gate_up, out, rows, d);
+        return 0;
+    }
+#endif
     silu_and_mul_rows(gate_up, out, rows, d, 1);
     return 0;
 }
