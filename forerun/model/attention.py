@@ -349,16 +349,16 @@ def paged_attention(
     t, num_heads, d = q.shape
     if _use_kernels(q, k, v):
         cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache)
-        token_seq, token_len = meta.token_indices()
         fresh, ranges = meta.kernel_split()
-        if not fresh:
-            out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                              token_seq, token_len, scale)
-            return out.view(t, num_heads * d)
         if not ranges and len(fresh) == 1:  # only prompts of one length: no copy into out
             start, count, length = fresh[0]
             return _fresh_prompt_attention(q, k, v, start, count, length, scale).reshape(
                 t, num_heads * d)
+        token_seq, token_len = meta.token_indices()
+        if not fresh:
+            out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                              token_seq, token_len, scale)
+            return out.view(t, num_heads * d)
         out = q.new_empty(t, num_heads, d)
         for lo, hi in ranges:
             cpu_kernels.paged_attention(q[lo:hi], k_cache, v_cache, meta.block_tables,

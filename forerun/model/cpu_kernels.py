@@ -139,8 +139,8 @@ def _load() -> ctypes.CDLL | None:
     lib.argmax_rows_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.small_matmul_bf16_is_fast.restype = ctypes.c_int
     lib.small_matmul_bf16_is_fast.argtypes = []
-    lib.small_matmul_bf16_amx.restype = ctypes.c_int
-    lib.small_matmul_bf16_amx.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.small_matmul_amx_bf16.restype = ctypes.c_int
+    lib.small_matmul_amx_bf16.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.sample_rows_f32.restype = ctypes.c_int
     lib.sample_rows_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
     return lib
@@ -350,9 +350,7 @@ def small_matmul(x: torch.Tensor, weight: SmallMatmulWeight, bias: torch.Tensor 
     assert x.is_contiguous() and x.shape[-1] == k and x.dtype == weight.data.dtype
     assert bias is None or bias.dtype == x.dtype
     out = x.new_empty(*x.shape[:-1], n)
-    lib = kernel_library()
-    assert lib is not None, "call supports() first"
-    fn = lib.small_matmul_bf16_amx if amx_only else _fn("small_matmul", x.dtype)
+    fn = _fn("small_matmul_amx" if amx_only else "small_matmul", x.dtype)
     rc = fn(x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), x.numel() // k, n, k)
     if rc == -2:

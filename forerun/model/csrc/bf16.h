@@ -18,4 +18,17 @@ static inline uint16_t f32_to_bf16(float x) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 bfloat16 values widened to float32 lanes (exact). */
+static inline __m512 bf16x16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return bf16x16_widen(_mm256_loadu_si256((const __m256i *)p));
+}
+#endif
 #endif

@@ -8,7 +8,6 @@
  * RMSNorm normalises in float32, rounds, then scales by the weight.
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -74,16 +73,10 @@ int rms_norm_f32(float *x, float *residual, const float *weight, int64_t rows, i
  * bit-twiddled rounding above costs about as much as the rest of the arithmetic, and these
  * kernels run over whole prefill steps. Rows must be a multiple of 16 long. */
 #define BF16_VEC 1
-INLINE __m512 ld16(const uint16_t *p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+#define ld16 bf16x16_load
+#define widen16 bf16x16_widen
 
 INLINE __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-INLINE __m512 widen16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 static void add_rms_norm_rows_bf16(uint16_t *x, uint16_t *residual, const uint16_t *weight,
                                    int64_t rows, int64_t dim, float eps) {

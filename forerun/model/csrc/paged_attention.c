@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define INLINE static inline __attribute__((always_inline))
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2 /* how far ahead the context walk asks for the next blocks */
@@ -32,10 +34,7 @@
 
 /* 16 consecutive values as float32 lanes. */
 INLINE __m512 load16(const char *p, int is_bf16) {
-    if (is_bf16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (is_bf16) return bf16x16_load((const uint16_t *)p);
     return _mm512_loadu_ps((const float *)p);
 }
 
@@ -98,10 +97,7 @@ INLINE void load_row(const void *src, int is_bf16, int64_t i, int64_t D, float *
     if (is_bf16) {
         const uint16_t *s = (const uint16_t *)src + i * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-            uint32_t u = (uint32_t)s[d] << 16;
-            memcpy(&dst[d], &u, sizeof u);
-        }
+        for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_f32(s[d]);
     } else {
         memcpy(dst, (const float *)src + i * D, sizeof(float) * D);
     }
@@ -113,14 +109,7 @@ INLINE void store_row(void *dst, int is_bf16, int64_t i, int64_t D, const float 
         return;
     }
     uint16_t *o = (uint16_t *)dst + i * D;
-    for (int64_t d = 0; d < D; ++d) {
-        uint32_t u;
-        memcpy(&u, &src[d], sizeof u);
-        if ((u & 0x7fffffffu) > 0x7f800000u)
-            o[d] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-        else
-            o[d] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* nearest even */
-    }
+    for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(src[d]);
 }
 
 /* One (token, kv head) pair: G query rows against the L context tokens. */

@@ -180,13 +180,10 @@ static int amx_permitted(void) {
     return state == 1;
 }
 
-static void store_tile(uint16_t *y, const float *c, const uint16_t *bias, int64_t m, int64_t n,
+/* A stored 16x16 accumulator tile is store_block's [rows][NB] buffer: into rows r0.. of y. */
+INLINE void store_tile(uint16_t *y, const float *c, const uint16_t *bias, int64_t m, int64_t n,
                        int64_t r0, int64_t n0) {
-    const int64_t rows = m - r0 < 16 ? m - r0 : 16, cols = n - n0 < 16 ? n - n0 : 16;
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j)
-            y[(r0 + i) * n + n0 + j] =
-                f32_to_bf16(c[i * 16 + j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.f));
+    store_block(y + r0 * n, c, bias, m - r0 < 16 ? m - r0 : 16, n, n0);
 }
 
 static void amx_pair(const uint16_t *xp, int64_t mp, int64_t k, const uint16_t *w0,
@@ -232,7 +229,7 @@ static void amx_pair(const uint16_t *xp, int64_t mp, int64_t k, const uint16_t *
 }
 
 /* As small_matmul_bf16, on AMX tiles; k a multiple of 32. Returns -2 where AMX cannot run. */
-int small_matmul_bf16_amx(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
+int small_matmul_amx_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
                           uint16_t *y, int64_t m, int64_t n, int64_t k) {
     if (k % 32 != 0 || m < 1 || !amx_permitted()) return -2;
     const int64_t mp = (m + 15) / 16 * 16, nblocks = (n + NB - 1) / NB;
@@ -268,7 +265,7 @@ int small_matmul_bf16_amx(const uint16_t *x, const uint16_t *w_packed, const uin
 }
 #else
 #define AMX_MIN_M INT64_MAX
-int small_matmul_bf16_amx(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
+int small_matmul_amx_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
                           uint16_t *y, int64_t m, int64_t n, int64_t k) {
     (void)x, (void)w_packed, (void)bias, (void)y, (void)m, (void)n, (void)k;
     return -2;
@@ -279,7 +276,7 @@ int small_matmul_bf16_amx(const uint16_t *x, const uint16_t *w_packed, const uin
 int small_matmul_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
                       uint16_t *y, int64_t m, int64_t n, int64_t k) {
     if (k % 2 != 0) return -1;
-    if (m >= AMX_MIN_M && small_matmul_bf16_amx(x, w_packed, bias, y, m, n, k) == 0) return 0;
+    if (m >= AMX_MIN_M && small_matmul_amx_bf16(x, w_packed, bias, y, m, n, k) == 0) return 0;
     const int64_t nblocks = (n + NB - 1) / NB;
     int failed = 0;
 #pragma omp parallel
