@@ -9,9 +9,9 @@ from typing import Any
 
 from forerun.engine.chat import apply_chat_template
 from forerun.engine.llm_engine import LLMEngine
+from forerun.engine.worker_node import run_worker_node
 from forerun.engine_args import add_engine_args, config_from_args
 from forerun.sampling_params import SamplingParams
-from forerun.worker.multiproc_executor import run_worker_node
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 
 from forerun.config import EngineConfig
 from forerun.engine.async_llm import AsyncLLM
-from forerun.engine.builder import num_kv_blocks, resolve_model_info
+from forerun.model.info import num_kv_blocks, resolve_model_info
 
 
 def test_frontend_adopts_the_max_model_len_the_core_lowered(llm_cache: Any) -> None:

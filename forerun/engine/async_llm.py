@@ -11,13 +11,13 @@ from typing import Any, Protocol
 
 from forerun.config import EngineConfig
 from forerun.core.stats import EngineStats
-from forerun.engine.builder import ModelInfo, resolve_model_info
 from forerun.engine.core_client import EngineDeadError, make_core_client
 from forerun.engine.core_messages import CoreFailed, CoreOutputs, StatsReply
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.parallel_sampling import ParallelSampling
 from forerun.engine.processor import ProcessedPrompt, Processor, PromptType
-from forerun.model.loader import load_tokenizer
+from forerun.model.info import ModelInfo, resolve_model_info
+from forerun.model.tokenizer import load_tokenizer
 from forerun.outputs import RequestOutput
 from forerun.sampling_params import SamplingParams
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import math
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,9 +15,9 @@ from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.distributed.pipeline_parallel import check_pipeline_parallel
 from forerun.distributed.tensor_parallel import check_tensor_parallel
 from forerun.engine.core import EngineCore
-from forerun.model.config import ModelConfig
-from forerun.model.loader import load_model, load_model_config, load_tokenizer
-from forerun.model.source import ModelSource, resolve_model
+from forerun.model.info import ModelInfo, num_kv_blocks, resolve_model_info
+from forerun.model.loader import load_model
+from forerun.model.tokenizer import load_tokenizer
 from forerun.spec_decode.config import SpeculativeConfig
 from forerun.structured.backend import XgrammarBackend
 from forerun.structured.manager import StructuredOutputManager
@@ -30,47 +28,6 @@ from forerun.worker.multiproc_executor import MultiprocExecutor
 from forerun.worker.simulated import SimulatedModelRunner, parse_simulated_device
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    """What the frontend must know about the model the core serves."""
-
-    source: ModelSource
-    model_config: ModelConfig
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-
-
-def resolve_model_info(config: EngineConfig) -> ModelInfo:
-    source = resolve_model(config.model)
-    mc = load_model_config(source)
-    max_model_len = config.max_model_len or mc.max_position_embeddings
-    if max_model_len > mc.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {max_model_len} is larger than the model's "
-            f"{mc.max_position_embeddings}")
-    return ModelInfo(source, mc, max_model_len, mc.vocab_size, list(mc.eos_token_ids))
-
-
-def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,
-                  device: torch.device) -> int:
-    """Blocks that fit the KV memory budget (or the override), capped at what can be used."""
-    if config.num_gpu_blocks_override is not None:
-        return config.num_gpu_blocks_override
-    mc, bs = info.model_config, config.block_size
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_block = 2 * mc.num_hidden_layers * bs * mc.num_key_value_heads * mc.head_dim * elem
-    budget = config.kv_cache_bytes(device)
-    ceiling = config.max_num_seqs * math.ceil(info.max_model_len / bs) + 1
-    n = min(budget // per_block, ceiling)
-    if n < math.ceil(info.max_model_len / bs):
-        raise ValueError(
-            f"KV cache memory of {budget} bytes holds {n} blocks, fewer than one sequence of "
-            f"max_model_len={info.max_model_len} needs; raise kv_cache_memory_bytes or lower "
-            "max_model_len")
-    return int(n)
 
 
 # Engines in one process that serve the same weights share one read-only model (tests

@@ -18,7 +18,6 @@ import zmq
 
 from forerun.config import EngineConfig
 from forerun.core.block_hash import make_block_hasher
-from forerun.engine.builder import build_engine_core, resolve_model_info
 from forerun.engine.core import EngineCore
 from forerun.engine.core_messages import (
     HEARTBEAT_INTERVAL_S,
@@ -36,6 +35,7 @@ from forerun.engine.core_messages import (
     input_decoder,
     output_encoder,
 )
+from forerun.model.info import resolve_model_info
 from forerun.request import Request
 from forerun.worker.cpu_threads import take_cpu_share
 
@@ -170,6 +170,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     core: EngineCore | None = None
     try:
         try:
+            # Imported here: the API process imports this module for the process target
+            # and must not load the builder (and through it the worker and model code).
+            from forerun.engine.builder import build_engine_core
+
             info = resolve_model_info(config)
             core = build_engine_core(config, info)
         except Exception as exc:

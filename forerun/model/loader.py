@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -19,12 +16,11 @@ from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
 from forerun.model.gguf_file import (
-    gguf_chat_template,
-    gguf_hf_config,
     gguf_raw_blocks,
     gguf_weights,
     open_gguf,
 )
+from forerun.model.info import load_model_config
 from forerun.model.packed_linear import prepack_supported
 from forerun.model.quant import resident_weight_bytes, validate_quantization
 from forerun.model.quant.gguf_linear import SUPPORTED_TYPES, apply_gguf_blocks
@@ -36,9 +32,7 @@ from forerun.model.safetensors_weights import (
     safetensors_weights,
 )
 from forerun.model.source import ModelSource, resolve_model
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from forerun.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,41 +44,6 @@ __all__ = [
     "load_tokenizer",
     "resolve_model",
 ]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not read {path}: {exc}") from exc
-
-
-def _gguf_config(source: ModelSource) -> ModelConfig:
-    entry = GGUFCacheEntry.for_source(source)
-    cached = entry.load_config() if entry is not None else None
-    if entry is not None and cached is not None:
-        try:
-            return ModelConfig.from_hf_dict(cached["config"])
-        except Exception as exc:  # a stale or hand-edited entry: rebuild it
-            entry.discard_config(exc)
-    reader = open_gguf(source.gguf_path)
-    hf_config = gguf_hf_config(reader)
-    config = ModelConfig.from_hf_dict(hf_config)
-    if entry is not None:
-        entry.save_config(hf_config, gguf_chat_template(reader))
-    return config
-
-
-def load_model_config(source: ModelSource) -> ModelConfig:
-    """Read the model's hyper-parameters from config.json (+generation_config.json) or GGUF."""
-    if source.is_gguf:
-        return _gguf_config(source)
-    config_path = source.path / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"model folder {source.path} has no config.json")
-    gen_path = source.path / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else None
-    return ModelConfig.from_hf_dict(_read_json(config_path), gen)
 
 
 def _weights(source: ModelSource) -> tuple[Iterable[tuple[str, torch.Tensor]], int]:
@@ -183,30 +142,3 @@ def load_model(
         model.resident_weight_bytes / 2**20,
     )
     return model
-
-
-def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (from tokenizer.json, or converted from the GGUF vocabulary)."""
-    entry = GGUFCacheEntry.for_source(source)
-    if entry is not None:
-        tok = entry.load_tokenizer()
-        if tok is not None:
-            return tok
-    from transformers import AutoTokenizer  # ~1 s to import: only where a tokenizer loads
-
-    try:
-        if source.is_gguf:
-            tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-        else:
-            tok = AutoTokenizer.from_pretrained(source.path)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"could not load the tokenizer of {source.name}: {exc}") from exc
-    if source.is_gguf and not getattr(tok, "chat_template", None):
-        template = gguf_chat_template(open_gguf(source.gguf_path))
-        if template:
-            tok.chat_template = template
-    if entry is not None:
-        entry.save_tokenizer(tok)
-    return tok

@@ -22,7 +22,6 @@ from forerun.model.errors import ModelLoadError
 from forerun.server.api import build_app
 from forerun.server.config import ServerConfig, parse_structured_outputs_config
 from forerun.server.metrics import ServerMetrics
-from forerun.worker.multiproc_executor import run_worker_node
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +191,10 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = server_config_from_args(args)
         config = config_from_args(args)
         if config.node_rank > 0:
-            # A worker node: its ranks only; node 0 serves the API.
+            # A worker node: its ranks only; node 0 serves the API (so the API process
+            # imports the worker code only here).
+            from forerun.engine.worker_node import run_worker_node
+
             return run_worker_node(config)
         engine = AsyncLLM(config, engine_process=args.engine_process,
                           max_waiting_requests=server_config.max_waiting_requests,

@@ -1,0 +1,100 @@
+"""What the frontend must know about a model, and how big its KV cache is.
+
+These facts come from the model's config alone (no weights), so the API process learns them
+without importing the engine's builder or the worker. The worker nodes of a multi-node
+engine compute the same numbers from the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forerun.config import EngineConfig
+from forerun.model.cache import GGUFCacheEntry
+from forerun.model.config import ModelConfig
+from forerun.model.errors import ModelLoadError
+from forerun.model.gguf_file import gguf_chat_template, gguf_hf_config, open_gguf
+from forerun.model.source import ModelSource, resolve_model
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not read {path}: {exc}") from exc
+
+
+def _gguf_config(source: ModelSource) -> ModelConfig:
+    entry = GGUFCacheEntry.for_source(source)
+    cached = entry.load_config() if entry is not None else None
+    if entry is not None and cached is not None:
+        try:
+            return ModelConfig.from_hf_dict(cached["config"])
+        except Exception as exc:  # a stale or hand-edited entry: rebuild it
+            entry.discard_config(exc)
+    reader = open_gguf(source.gguf_path)
+    hf_config = gguf_hf_config(reader)
+    config = ModelConfig.from_hf_dict(hf_config)
+    if entry is not None:
+        entry.save_config(hf_config, gguf_chat_template(reader))
+    return config
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """Read the model's hyper-parameters from config.json (+generation_config.json) or GGUF."""
+    if source.is_gguf:
+        return _gguf_config(source)
+    config_path = source.path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"model folder {source.path} has no config.json")
+    gen_path = source.path / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else None
+    return ModelConfig.from_hf_dict(_read_json(config_path), gen)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the frontend must know about the model the core serves."""
+
+    source: ModelSource
+    model_config: ModelConfig
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+def resolve_model_info(config: EngineConfig) -> ModelInfo:
+    """The model ``config.model`` names, with ``max_model_len`` checked against it."""
+    source = resolve_model(config.model)
+    mc = load_model_config(source)
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} is larger than the model's "
+            f"{mc.max_position_embeddings}")
+    return ModelInfo(source, mc, max_model_len, mc.vocab_size, list(mc.eos_token_ids))
+
+
+def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """Blocks that fit the KV memory budget (or the override), capped at what can be used."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    mc, bs = info.model_config, config.block_size
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = 2 * mc.num_hidden_layers * bs * mc.num_key_value_heads * mc.head_dim * elem
+    budget = config.kv_cache_bytes(device)
+    ceiling = config.max_num_seqs * math.ceil(info.max_model_len / bs) + 1
+    n = min(budget // per_block, ceiling)
+    if n < math.ceil(info.max_model_len / bs):
+        raise ValueError(
+            f"KV cache memory of {budget} bytes holds {n} blocks, fewer than one sequence of "
+            f"max_model_len={info.max_model_len} needs; raise kv_cache_memory_bytes or lower "
+            "max_model_len")
+    return int(n)

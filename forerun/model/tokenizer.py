@@ -1,0 +1,40 @@
+"""The model's tokenizer: its tokenizer.json, or the vocabulary inside its GGUF file."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from forerun.model.cache import GGUFCacheEntry
+from forerun.model.errors import ModelLoadError
+from forerun.model.gguf_file import gguf_chat_template, open_gguf
+from forerun.model.source import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (from tokenizer.json, or converted from the GGUF vocabulary)."""
+    entry = GGUFCacheEntry.for_source(source)
+    if entry is not None:
+        tok = entry.load_tokenizer()
+        if tok is not None:
+            return tok
+    from transformers import AutoTokenizer  # ~1 s to import: only where a tokenizer loads
+
+    try:
+        if source.is_gguf:
+            tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        else:
+            tok = AutoTokenizer.from_pretrained(source.path)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the tokenizer of {source.name}: {exc}") from exc
+    if source.is_gguf and not getattr(tok, "chat_template", None):
+        template = gguf_chat_template(open_gguf(source.gguf_path))
+        if template:
+            tok.chat_template = template
+    if entry is not None:
+        entry.save_tokenizer(tok)
+    return tok
