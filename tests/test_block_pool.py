@@ -118,16 +118,6 @@ def test_two_blocks_may_share_a_hash_and_evicting_one_keeps_the_other():
     assert pool.get_cached_block(fake_hash(9)) is b
 
 
-def test_reset_prefix_cache_only_when_everything_is_free():
-    pool = BlockPool(2)
-    [a] = pool.get_new_blocks(1)
-    pool.cache_full_blocks([a], [fake_hash(4)], 0, 1)
-    assert not pool.reset_prefix_cache()
-    pool.free_blocks([a])
-    assert pool.reset_prefix_cache()
-    assert a.block_hash is None and pool.get_cached_block(fake_hash(4)) is None
-
-
 # ----- hashing ----------------------------------------------------------------------------
 
 def make_req(tokens: list[int], block_size: int, cache_salt: str | None = None) -> Request:

@@ -8,8 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gguf import GGUFReader
 
-from forerun.engine.chat import apply_chat_template, read_gguf_chat_template, render_chat
+from forerun.engine.chat import apply_chat_template, render_chat
+
+
+def read_gguf_chat_template(path: str | Path) -> str | None:
+    """The chat template in a GGUF file's metadata, read with the gguf package alone: an
+    oracle independent of forerun's loader."""
+    field = GGUFReader(str(path)).get_field("tokenizer.chat_template")
+    template = None if field is None else field.contents()
+    return template if isinstance(template, str) else None
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -244,7 +244,8 @@ def test_changed_file_gets_a_new_entry_and_a_new_parse(gguf_path: Path, cache_di
 def test_config_and_weights_parse_the_gguf_once(gguf_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CACHE_ENV, "off")
-    gguf_file.clear_gguf_readers()
+    with gguf_file._READERS_LOCK:  # forget every parsed file: the next open parses again
+        gguf_file._READERS.clear()
     real = gguf_file.GGUFReader
     calls: list[Path] = []
 

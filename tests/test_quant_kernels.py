@@ -21,6 +21,7 @@ from forerun.model.quant import resident_weight_bytes, validate_quantization
 from forerun.model.quant.gguf_blocks import dequantize_rows, gguf_matmul_torch
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear, quantize_weight_int8
+from tests.kernel_variants import build_quant_variant
 
 QTYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n, k one block and many.
@@ -53,7 +54,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL 
     for march, needs in _VARIANTS.items():
         if needs <= flags:
             try:
-                libs[march] = cpu_kernels.build_quant_variant(march, out)
+                libs[march] = build_quant_variant(march, out)
             except RuntimeError:  # the compiler does not know this -march
                 continue
     return libs

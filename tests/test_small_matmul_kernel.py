@@ -50,6 +50,12 @@ def test_bfloat16_packing_needs_an_even_inner_dimension() -> None:
         cpu_kernels.pack_small_matmul_weight(torch.zeros(4, 33, dtype=torch.bfloat16))
 
 
+def _small_matmul_amx(x: torch.Tensor, w: cpu_kernels.SmallMatmulWeight,
+                      b: torch.Tensor | None) -> torch.Tensor:
+    """The AMX body alone (an error where it cannot run), not the dispatching entry."""
+    return cpu_kernels._small_matmul_call("small_matmul_amx", x, w, b)
+
+
 needs_amx = pytest.mark.skipif(not cpu_kernels.small_matmul_has_amx(),
                                reason="the CPU (or kernel) grants no AMX tiles")
 
@@ -65,8 +71,7 @@ def test_amx_small_matmul_matches_float64(m: int, n: int, k: int, with_bias: boo
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
-    got = cpu_kernels.small_matmul(x, cpu_kernels.pack_small_matmul_weight(w), b,
-                                   amx_only=True)
+    got = _small_matmul_amx(x, cpu_kernels.pack_small_matmul_weight(w), b)
     ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert ((got.double() - ref).abs() / (ref.abs() + 1.0)).max().item() < 8e-3
@@ -76,5 +81,4 @@ def test_amx_small_matmul_matches_float64(m: int, n: int, k: int, with_bias: boo
 def test_amx_small_matmul_needs_k_a_multiple_of_32() -> None:
     w = cpu_kernels.pack_small_matmul_weight(torch.ones(16, 34, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="AMX"):
-        cpu_kernels.small_matmul(torch.ones(16, 34, dtype=torch.bfloat16), w, None,
-                                 amx_only=True)
+        _small_matmul_amx(torch.ones(16, 34, dtype=torch.bfloat16), w, None)

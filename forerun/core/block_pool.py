@@ -159,11 +159,3 @@ class BlockPool:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)
-
-    def reset_prefix_cache(self) -> bool:
-        if self.get_num_free_blocks() != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True

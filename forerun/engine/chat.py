@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
-from pathlib import Path
 from typing import Any
-
-from gguf import GGUFReader
-
-logger = logging.getLogger(__name__)
 
 # OpenAI's roles; any other non-empty role is passed to the template too, as vLLM does
 # (templates such as Granite's know roles like "document").
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
-_GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -141,13 +134,3 @@ def apply_chat_template(
     # Templates write BOS and other special tokens themselves; letting the tokenizer add
     # them again would give a doubled BOS.
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def read_gguf_chat_template(path: str | Path) -> str | None:
-    """The chat template stored in a GGUF file's metadata, or None if it has none."""
-    field = GGUFReader(str(path)).get_field(_GGUF_CHAT_TEMPLATE_KEY)
-    if field is None:
-        logger.debug("%s has no %s", path, _GGUF_CHAT_TEMPLATE_KEY)
-        return None
-    template = field.contents()
-    return template if isinstance(template, str) else None

@@ -341,16 +341,21 @@ def pack_small_matmul_weight(weight: torch.Tensor) -> SmallMatmulWeight:
     return SmallMatmulWeight(data, n, k)
 
 
-def small_matmul(x: torch.Tensor, weight: SmallMatmulWeight, bias: torch.Tensor | None,
-                 amx_only: bool = False) -> torch.Tensor:
+def small_matmul(x: torch.Tensor, weight: SmallMatmulWeight,
+                 bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` with few rows, streaming the
-    weight once for all rows (in bfloat16 on AMX tiles past 8 rows, where the CPU has them;
-    ``amx_only`` insists on that body, for tests)."""
+    weight once for all rows (in bfloat16 on AMX tiles past 8 rows, where the CPU has them)."""
+    return _small_matmul_call("small_matmul", x, weight, bias)
+
+
+def _small_matmul_call(entry: str, x: torch.Tensor, weight: SmallMatmulWeight,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``entry`` (``small_matmul``, or ``small_matmul_amx``: the AMX body or an error) run."""
     k, n = weight.k, weight.n
     assert x.is_contiguous() and x.shape[-1] == k and x.dtype == weight.data.dtype
     assert bias is None or bias.dtype == x.dtype
     out = x.new_empty(*x.shape[:-1], n)
-    fn = _fn("small_matmul_amx" if amx_only else "small_matmul", x.dtype)
+    fn = _fn(entry, x.dtype)
     rc = fn(x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), x.numel() // k, n, k)
     if rc == -2:
@@ -369,8 +374,8 @@ def small_matmul_has_amx() -> bool:
         if kernel_library() is not None and small_matmul_is_fast(torch.bfloat16):
             w = pack_small_matmul_weight(torch.ones(16, 32, dtype=torch.bfloat16))
             try:
-                y = small_matmul(torch.ones(16, 32, dtype=torch.bfloat16), w, None,
-                                 amx_only=True)
+                y = _small_matmul_call("small_matmul_amx",
+                                       torch.ones(16, 32, dtype=torch.bfloat16), w, None)
                 _amx = bool((y == 32).all())
             except RuntimeError:
                 pass
@@ -454,19 +459,3 @@ def int8_dequant(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
     _fn("int8_dequant", dtype)(acc.data_ptr(), sx.data_ptr(), sw.data_ptr(),
                                None if bias is None else bias.data_ptr(), y.data_ptr(), m, n)
     return y
-
-
-def build_quant_variant(march: str, out_dir: Path) -> ctypes.CDLL:
-    """quant_matmul.c alone, built with ``-march=<march>`` into ``out_dir`` and loaded: for
-    tests to run the bodies of other instruction sets than this machine's default."""
-    compiler = envs.c_compiler()
-    src = _CSRC / "quant_matmul.c"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"quant_matmul-{march}.so"
-    flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
-    obj = out_dir / f"quant_matmul-{march}.o"
-    _run([compiler, *flags, "-c", str(src), "-o", str(obj)])
-    _run([compiler, *_LINK_FLAGS, "-o", str(target), str(obj), "-lm"])
-    lib = ctypes.CDLL(str(target))
-    bind_quant_kernels(lib)
-    return lib

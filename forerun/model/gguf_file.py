@@ -80,12 +80,6 @@ def open_gguf(path: Path) -> GGUFReader:
         return reader
 
 
-def clear_gguf_readers() -> None:
-    """Forget every parsed GGUF file (tests; or to release the memory maps)."""
-    with _READERS_LOCK:
-        _READERS.clear()
-
-
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()

@@ -1,0 +1,30 @@
+"""Builds one kernel file with another ``-march`` than the machine's default, so that tests
+run the bodies of other instruction sets (a test helper: the engine builds only native)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+from forerun import envs
+from forerun.model import cpu_kernels
+
+
+def build_quant_variant(march: str, out_dir: Path, source: str = "quant_matmul.c",
+                        bind: Callable[[ctypes.CDLL], None] = cpu_kernels.bind_quant_kernels,
+                        ) -> ctypes.CDLL:
+    """``csrc/<source>`` alone, built with ``-march=<march>`` into ``out_dir``, loaded and its
+    entry points typed by ``bind``."""
+    compiler = envs.c_compiler()
+    src = cpu_kernels._CSRC / source
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = Path(source).stem
+    target = out_dir / f"{stem}-{march}.so"
+    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels._FLAGS]
+    obj = out_dir / f"{stem}-{march}.o"
+    cpu_kernels._run([compiler, *flags, "-c", str(src), "-o", str(obj)])
+    cpu_kernels._run([compiler, *cpu_kernels._LINK_FLAGS, "-o", str(target), str(obj), "-lm"])
+    lib = ctypes.CDLL(str(target))
+    bind(lib)
+    return lib
