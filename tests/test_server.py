@@ -82,6 +82,12 @@ def test_health_version_models(server: ServerHandle, client: openai.OpenAI) -> N
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_head_health_answers_as_get_does(server: ServerHandle) -> None:
+    # What load balancers send: the status of GET, and no body.
+    r = httpx.head(f"{server.base_url}/health")
+    assert r.status_code == 200 and r.content == b""
+
+
 def test_completion_matches_offline(env: dict[str, Any], client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL

@@ -252,6 +252,7 @@ def test_frozen_engine_turns_health_503_and_recovers(limits: ServerHandle) -> No
             assert time.monotonic() < deadline, "health still 200 with the engine frozen"
             time.sleep(0.2)
         assert "not answered" in h.json()["error"]
+        assert httpx.head(f"{limits.base_url}/health", timeout=10).status_code == 503
         r = _post(limits, {"prompt": "hi", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and "retry-after" in r.headers
         assert _error(r)["code"] == "engine_unresponsive"

@@ -35,10 +35,6 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -297,15 +297,7 @@ class AsyncLLM:
         if ids and self.client.is_alive():
             self.client.abort_requests(ids)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # ----- stats ------------------------------------------------------------------------
-    async def get_stats(self, timeout_s: float = 10.0) -> EngineStats:
-        """The engine core's ``stats()`` snapshot (engine 0's, with data parallelism)."""
-        return (await self.get_engine_stats(timeout_s))[0]
-
     async def get_engine_stats(self, timeout_s: float = 10.0) -> list[EngineStats]:
         """Every engine core's ``stats()`` snapshot, by data-parallel rank."""
         self._ensure_handler()

@@ -17,6 +17,7 @@ import forerun
 from forerun.engine.async_llm import AsyncLLM
 from forerun.engine.processor import ProcessedPrompt
 from forerun.sampling_params import SamplingParams
+from forerun.server.bodies import ModelCard, ModelList, encode
 from forerun.server.chat import create_chat_completion
 from forerun.server.completions import create_completion
 from forerun.server.config import ServerConfig
@@ -33,7 +34,6 @@ from forerun.server.edge import (
 from forerun.server.errors import APIError, install_error_handlers
 from forerun.server.metrics import ServerMetrics
 from forerun.server.protocol import ChatCompletionRequest, CompletionRequest
-from forerun.server.responses import ModelCard, ModelList, encode
 from forerun.server.responses_api import create_response
 from forerun.server.responses_protocol import ResponsesRequest
 from forerun.server.serving import ServingContext, now_s
@@ -170,7 +170,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
         cards = [ModelCard(name, created, engine.max_model_len, root=root) for name in names]
         return Response(encode(ModelList(cards)), media_type="application/json")
 
-    @app.get("/health")
+    # Load balancers probe with HEAD; it answers as GET does (the server sends no body).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         problem = engine.health()
         if problem is not None:

@@ -13,13 +13,7 @@ from forerun.engine.async_llm import RequestStream, RequestTimeoutError
 from forerun.engine.chat import apply_chat_template
 from forerun.engine.core_client import EngineDeadError
 from forerun.outputs import RequestOutput
-from forerun.server.chat_extras import StreamTokenIds, add_prompt_extras
-from forerun.server.chat_template_args import echo_text, response_role, template_kwargs
-from forerun.server.edge import off_loop_if_big, unless_disconnected
-from forerun.server.errors import APIError, engine_dead_error, timeout_error
-from forerun.server.logprobs import chat_logprobs
-from forerun.server.protocol import ChatCompletionRequest
-from forerun.server.responses import (
+from forerun.server.bodies import (
     SSE_DONE,
     UNSET,
     ChatChoice,
@@ -34,6 +28,12 @@ from forerun.server.responses import (
     encode,
     sse,
 )
+from forerun.server.chat_extras import StreamTokenIds, add_prompt_extras
+from forerun.server.chat_template_args import echo_text, response_role, template_kwargs
+from forerun.server.edge import off_loop_if_big, unless_disconnected
+from forerun.server.errors import APIError, engine_dead_error, timeout_error
+from forerun.server.logprobs import chat_logprobs
+from forerun.server.protocol import ChatCompletionRequest
 from forerun.server.serving import (
     ServingContext,
     check_model,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 
 from forerun.outputs import RequestOutput
+from forerun.server.bodies import UNSET, ChatCompletion
 from forerun.server.logprobs import prompt_logprobs_json
 from forerun.server.protocol import ChatCompletionRequest
-from forerun.server.responses import UNSET, ChatCompletion
 
 
 def add_prompt_extras(resp: ChatCompletion, body: ChatCompletionRequest,

@@ -11,16 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 from forerun.engine.async_llm import RequestStream, RequestTimeoutError
 from forerun.engine.core_client import EngineDeadError
 from forerun.outputs import PositionLogprobs, RequestOutput
-from forerun.server.edge import unless_disconnected
-from forerun.server.errors import APIError, engine_dead_error, timeout_error
-from forerun.server.logprobs import (
-    completion_logprobs,
-    echo_logprobs,
-    join_logprobs,
-    prompt_logprobs_json,
-)
-from forerun.server.protocol import CompletionRequest, completion_prompts
-from forerun.server.responses import (
+from forerun.server.bodies import (
     SSE_DONE,
     UNSET,
     Completion,
@@ -32,6 +23,15 @@ from forerun.server.responses import (
     encode,
     sse,
 )
+from forerun.server.edge import unless_disconnected
+from forerun.server.errors import APIError, engine_dead_error, timeout_error
+from forerun.server.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+    prompt_logprobs_json,
+)
+from forerun.server.protocol import CompletionRequest, completion_prompts
 from forerun.server.serving import (
     ServingContext,
     check_model,

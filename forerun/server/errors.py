@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forerun.engine.async_llm import EngineOverloadedError, RequestTimeoutError
 from forerun.engine.core_client import EngineDeadError
-from forerun.server.responses import ErrorBody, ErrorInfo, encode
+from forerun.server.bodies import ErrorBody, ErrorInfo, encode
 
 logger = logging.getLogger(__name__)
 

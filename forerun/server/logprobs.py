@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from forerun.outputs import Logprob, PositionLogprobs
-from forerun.server.responses import (
+from forerun.server.bodies import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,

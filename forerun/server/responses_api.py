@@ -21,10 +21,10 @@ from fastapi.responses import Response, StreamingResponse
 from forerun.engine.async_llm import RequestStream, RequestTimeoutError
 from forerun.engine.core_client import EngineDeadError
 from forerun.outputs import RequestOutput
+from forerun.server.bodies import encode
 from forerun.server.chat import chat_prompt_ids
 from forerun.server.edge import off_loop_if_big, unless_disconnected
 from forerun.server.errors import APIError, engine_dead_error, timeout_error
-from forerun.server.responses import encode
 from forerun.server.responses_protocol import ResponsesChatRequest, ResponsesRequest
 from forerun.server.serving import (
     ServingContext,

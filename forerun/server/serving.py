@@ -40,10 +40,6 @@ class ServingContext:
     disable_any_whitespace: bool | None = None
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def request_ids(request: Any, prefix: str, sep: str = "-") -> tuple[str, str]:
     """(the response's id, the engine's request id) for one HTTP request.
 

@@ -20,8 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from forerun.server.errors import APIError
-from forerun.server.responses import (
+from forerun.server.bodies import (
     UNSET,
     ChatDelta,
     ChatMessage,
@@ -30,6 +29,7 @@ from forerun.server.responses import (
     FunctionCall,
     ToolCall,
 )
+from forerun.server.errors import APIError
 from forerun.tool_parsers import (
     FunctionCallDraft,
     ParsedToolOutput,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -95,11 +94,6 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """The field that is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
         return next(k for k in KINDS if self._is_set(k))
-
-    def json_schema_str(self) -> str:
-        """The schema as a JSON string (``json`` kind only)."""
-        assert self.json is not None
-        return self.json if isinstance(self.json, str) else json.dumps(self.json)
 
     def to_dict(self) -> dict[str, Any]:
         """Only the field that is set; a dict of plain values, to cross process boundaries."""
