@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from forerun.outputs import CompletionOutput, RequestOutput
 from forerun.sampling_params import SamplingParams
-from forerun.structured.params import StructuredOutputsParams
+from forerun.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from forerun.llm import LLM

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from forerun.sampling_params import SamplingParams
-from forerun.spec_decode.config import supports_spec_decode
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,7 +77,7 @@ class Request:
         # Speculative decoding: how many drafts the next step schedules (their ids stay on
         # the worker).
         self.num_spec_tokens = 0
-        self.spec_enabled = supports_spec_decode(sampling_params)
+        self.spec_enabled = sampling_params.supports_spec_decode
         self.is_prefill_chunk = False
         # Tokens scheduled in steps whose output has not been processed yet.
         self.num_in_flight_tokens = 0

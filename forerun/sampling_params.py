@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from forerun.structured.params import StructuredOutputsParams
+from forerun.structured_params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs: the most top-N alternatives a request may ask for. The
@@ -361,6 +361,18 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def supports_spec_decode(self) -> bool:
+        """Whether a request may be given drafts; the others decode one token per step.
+
+        Verification samples every draft position in one step, each with the rules as they
+        apply there: ``min_tokens``, penalties (counts include the drafts before the
+        position) and bad words (their history too) are exact per position. A grammar would
+        have to advance through each draft before masking the next; grammar requests take
+        K = 0.
+        """
+        return self.structured_outputs is None
 
     @property
     def bad_words_token_ids(self) -> list[list[int]]:

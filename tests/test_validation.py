@@ -40,7 +40,7 @@ from forerun.sampling_params import (
 )
 from forerun.server.errors import _validation_error
 from forerun.server.protocol import ChatCompletionRequest, CompletionRequest
-from forerun.structured.params import StructuredOutputsParams
+from forerun.structured_params import StructuredOutputsParams
 from tests.conftest import assert_all_blocks_free
 from tests.tiny_model import write_tiny_llama
 

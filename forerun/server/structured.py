@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from forerun.structured.params import KINDS, OPTIONS, StructuredOutputsParams
+from forerun.structured_params import KINDS, OPTIONS, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

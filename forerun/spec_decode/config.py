@@ -87,11 +87,5 @@ def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
 
 
 def supports_spec_decode(params: SamplingParams) -> bool:
-    """Whether a request may be given drafts; the others decode one token per step.
-
-    Verification samples every draft position in one step, each with the rules as they
-    apply there: ``min_tokens``, penalties (counts include the drafts before the position)
-    and bad words (their history too) are exact per position. A grammar would have to
-    advance through each draft before masking the next; grammar requests take K = 0.
-    """
-    return params.structured_outputs is None
+    """``params.supports_spec_decode`` (see :class:`forerun.sampling_params.SamplingParams`)."""
+    return params.supports_spec_decode

@@ -1,5 +1,3 @@
-"""Structured output: constrain generation to a JSON schema, regex, choice or grammar."""
-
-from forerun.structured.params import StructuredOutputsParams
-
-__all__ = ["StructuredOutputsParams"]
+"""Structured output, the scheduler's side: grammars compiled from a request's constraint
+(:mod:`forerun.structured_params`, the value type), advanced by each accepted token, and
+the bitmask of allowed tokens for every step."""

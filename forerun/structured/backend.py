@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forerun.structured.closing import ClosingPlanner
-from forerun.structured.params import StructuredOutputsParams
+from forerun.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr

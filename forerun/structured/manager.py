@@ -21,7 +21,7 @@ from forerun.structured.closing import (
     is_allowed,
     only_token,
 )
-from forerun.structured.params import StructuredOutputsParams
+from forerun.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     # Not imported at run time: xgrammar is slow to import and only needed once a

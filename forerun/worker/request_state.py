@@ -35,7 +35,7 @@ class CachedRequestState:
     # A runner with a drafter also appends every sample to ``token_ids`` (the drafter reads
     # the text on the host), so no position is fed from ``last_sampled``.
     spec_token_ids: list[int] = field(default_factory=list)
-    # Whether the drafter proposes for this request (see spec_decode.supports_spec_decode).
+    # Whether the drafter proposes for this request (see SamplingParams.supports_spec_decode).
     spec_enabled: bool = False
     # How many drafts to propose next (adaptive: up after a fully accepted run, down after
     # a rejection); -1 until the request's first verification (then the configured K).
