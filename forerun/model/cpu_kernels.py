@@ -132,6 +132,7 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = args
     bind_quant_kernels(lib)
+    bind_kquant_kernels(lib)
     lib.kv_cache_write.restype = ctypes.c_int
     lib.kv_cache_write.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                    _i64]
@@ -436,6 +437,43 @@ def quant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
     return {3: "avx512vnni", 2: "vnni", 1: "avx2"}.get(lib.quant_matmul_isa(), "c")
+
+
+def bind_kquant_kernels(lib: ctypes.CDLL) -> None:
+    """Declare the signatures of the K-quant kernels (csrc/kquant_matmul.c) on a loaded
+    library (the kernel library, or a test's build of kquant_matmul.c alone)."""
+    for suffix in _DTYPE_SUFFIX.values():
+        fn = getattr(lib, f"kquant_matmul_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.kquant_matmul_isa.restype = ctypes.c_int
+    lib.kquant_matmul_isa.argtypes = []
+
+
+def kquant_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` (float32 or bfloat16), ``W``
+    ``[n, k]`` the K-quant rows ``desc`` points to; activations quantized per 256."""
+    lib = lib or kernel_library()
+    assert lib is not None, "call supports() first"
+    k = x.shape[-1]
+    assert x.is_contiguous() and (bias is None or bias.dtype == x.dtype)
+    out = x.new_empty(*x.shape[:-1], n)
+    rc = getattr(lib, f"kquant_matmul_{_DTYPE_SUFFIX[x.dtype]}")(
+        x.data_ptr(), ctypes.addressof(desc), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), x.numel() // k, n, k)
+    if rc == -1:
+        raise MemoryError("K-quant matmul could not allocate its scratch space")
+    if rc != 0:
+        raise ValueError("K-quant matmul: unsupported block type or shape")
+    return out
+
+
+def kquant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
+    """Which body the K-quant matmul was built with: ``avx2`` or ``c``."""
+    lib = lib or kernel_library()
+    assert lib is not None, "call supports() first"
+    return {1: "avx2"}.get(lib.kquant_matmul_isa(), "c")
 
 
 def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

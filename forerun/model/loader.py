@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 
 import torch
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from forerun.distributed.parallel_state import TensorParallelGroup
@@ -23,7 +25,11 @@ from forerun.model.gguf_file import (
 from forerun.model.info import load_model_config
 from forerun.model.packed_linear import prepack_supported
 from forerun.model.quant import resident_weight_bytes, validate_quantization
-from forerun.model.quant.gguf_linear import SUPPORTED_TYPES, apply_gguf_blocks
+from forerun.model.quant.gguf_linear import (
+    NATIVE_TYPE_NAMES,
+    SUPPORTED_TYPES,
+    apply_gguf_blocks,
+)
 from forerun.model.quant.int8_linear import apply_int8
 from forerun.model.registry import get_model_class
 from forerun.model.safetensors_weights import (
@@ -67,8 +73,9 @@ def _with_progress(
 
 def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
                       device: torch.device) -> None:
-    """quantization="gguf": the file's Q8_0/Q4_0/Q4_1 linears (and embedding) keep their
-    blocks; every other tensor loads dequantized, as on the exact path."""
+    """quantization="gguf": the file's linears (and embedding) in a type with a native kernel
+    (Q8_0/Q4_0/Q4_1 and the K-quants Q2_K-Q6_K) keep their blocks; every other tensor loads
+    dequantized, as on the exact path, and the log names the types that did."""
     if not source.is_gguf:
         raise ModelLoadError(
             f"quantization='gguf' needs a GGUF file, and {source.name} is a Hugging Face "
@@ -80,8 +87,20 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
     used = apply_gguf_blocks(model, blocks, dtype)
     if not any(n.endswith(("_proj.weight", "lm_head.weight")) for n in used):
         raise ModelLoadError(
-            f"quantization='gguf': {path.name} has no linear weights in Q8_0, Q4_0 or Q4_1 "
-            "(other GGUF types load dequantized with quantization=None)")
+            f"quantization='gguf': {path.name} has no linear weights in a type run natively "
+            "(Q8_0, Q4_0 or Q4_1, or the K-quants Q2_K to Q6_K; other GGUF types load "
+            "dequantized with quantization=None)")
+    # Every tensor type (float32 aside) held dequantized rather than in its blocks: its type
+    # has no kernel here, or it is part of a fused linear with a part that has none.
+    left = Counter(GGMLQuantizationType(int(t.tensor_type)).name for t in reader.tensors
+                   if int(t.tensor_type) != int(GGMLQuantizationType.F32))
+    left.subtract(Counter(NATIVE_TYPE_NAMES[blocks[n][0]] for n in used))
+    if +left:
+        logger.info("quantization=gguf: tensors loaded dequantized (not run in their blocks): "
+                    "%s", ", ".join(f"{name} x {count}" for name, count in sorted((+left).items())))
+    else:
+        logger.info("quantization=gguf: every quantized tensor of %s runs in its blocks",
+                    path.name)
     weights = gguf_weights(reader, path, skip=frozenset(used))
     model.load_weights(_with_progress(weights, len(reader.tensors) - len(used), source.name))
 

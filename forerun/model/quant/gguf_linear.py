@@ -1,11 +1,15 @@
 """``quantization="gguf"``: linear layers (and a tied output head) that compute with a GGUF
-file's own Q8_0 / Q4_0 / Q4_1 blocks.
+file's own blocks: Q8_0 / Q4_0 / Q4_1, and the K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K.
 
 The blocks are copied out of the file once, as they are, and never dequantized as a whole:
-the C kernel (``csrc/quant_matmul.c``) reads them for every matmul, with activations
-quantized per 32-block to int8 (why: :mod:`forerun.model.quant.gguf_blocks`). The
-single-stream path runs the same kernel inside its one-call decoder stack
-(``forerun/model/small_batch.py``), so a decode step reads each weight in its 4.5-8.5 bits.
+the C kernels read them for every matmul, ``csrc/quant_matmul.c`` the 32-value types with
+activations quantized per 32 (why: :mod:`forerun.model.quant.gguf_blocks`), and
+``csrc/kquant_matmul.c`` the K-quants with activations quantized per 256
+(:mod:`forerun.model.quant.kquant_blocks`). A fused projection whose parts are of both
+families runs one kernel per family and puts the outputs side by side. The single-stream
+path runs the 32-value kernel inside its one-call decoder stack
+(``forerun/model/small_batch.py``), so a decode step reads each weight in its 4.5-8.5 bits;
+models with K-quant linears decode op by op (the stack does not call the K-quant kernel yet).
 
 Embedding and output head: SmolLM2-style models tie them, and the head (vocab x hidden) is a
 fifth of the model's weights, read in full for every sampled token. With quantization="gguf"
@@ -17,6 +21,8 @@ its quantized size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,10 +39,39 @@ from forerun.model.quant.gguf_blocks import (
     tile_rows,
     tiles_to_blocks,
 )
+from forerun.model.quant.kquant_blocks import (
+    KBLOCK_BYTES,
+    KTYPE_NAMES,
+    dequantize_krows,
+    kquant_matmul_torch,
+    krow_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_TYPES: frozenset[int] = frozenset(BLOCK_BYTES)
+KQUANT_TYPES: frozenset[int] = frozenset(KBLOCK_BYTES)
+SUPPORTED_TYPES: frozenset[int] = frozenset(BLOCK_BYTES) | KQUANT_TYPES
+NATIVE_TYPE_NAMES: dict[int, str] = {**TYPE_NAMES, **KTYPE_NAMES}
+
+_Matmul = Callable[[torch.Tensor, list[tuple[int, torch.Tensor]], torch.Tensor | None],
+                   torch.Tensor]
+
+
+def _type_row_bytes(qtype: int, k: int) -> int:
+    return krow_bytes(qtype, k) if qtype in KQUANT_TYPES else row_bytes(qtype, k)
+
+
+@dataclass
+class _Segment:
+    """Consecutive parts of one block family: one kernel call over output columns
+    ``start:stop``, parts ``first:first + count``."""
+
+    kquant: bool
+    first: int
+    count: int
+    start: int
+    stop: int
+    desc: cpu_kernels.QWeightDesc
 
 
 class GGUFLinear(nn.Module):
@@ -45,6 +80,8 @@ class GGUFLinear(nn.Module):
     ``parts`` are ``(ggml type id, uint8 rows [rows_i, row_bytes_i])`` stacked along the
     output dimension: a fused projection (q/k/v, gate/up) whose checkpoint tensors differ in
     type keeps each as stored. ``bias`` stays a float parameter (loaded like any other).
+    The 32-value types are held regrouped by 16 rows (:func:`repack_tiles`), the K-quants as
+    the file's rows.
     """
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,
@@ -55,41 +92,77 @@ class GGUFLinear(nn.Module):
         for qtype, raw in parts:
             if qtype not in SUPPORTED_TYPES:
                 raise ValueError(f"unsupported GGUF block type {qtype}")
-            if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(
-                    qtype, in_features) or not raw.is_contiguous():
-                raise ValueError(f"{TYPE_NAMES[qtype]} rows of {in_features} values must be "
-                                 f"contiguous uint8 [rows, {row_bytes(qtype, in_features)}]")
+            rb = _type_row_bytes(qtype, in_features)
+            if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb or \
+                    not raw.is_contiguous():
+                raise ValueError(f"{NATIVE_TYPE_NAMES[qtype]} rows of {in_features} values "
+                                 f"must be contiguous uint8 [rows, {rb}]")
         self.in_features = in_features
         self.out_features = sum(raw.shape[0] for _, raw in parts)
-        # (type, rows, tiles): the blocks regrouped by 16 rows for the kernel (gguf_blocks).
-        # Plain attributes: nn.Module machinery must not cast or move the bytes.
-        self.tiles = [(qtype, raw.shape[0], repack_tiles(qtype, raw, in_features))
-                      for qtype, raw in parts]
+        # (type, rows, stored bytes). Plain attributes: nn.Module machinery must not cast or
+        # move the bytes.
+        self.tiles = [(qtype, raw.shape[0], raw if qtype in KQUANT_TYPES
+                       else repack_tiles(qtype, raw, in_features)) for qtype, raw in parts]
         self.bias = bias
-        self.desc = cpu_kernels.QWeightDesc()
-        self.desc.nparts = len(parts)
-        for i, (qtype, rows, tiles) in enumerate(self.tiles):
-            self.desc.type[i] = qtype
-            self.desc.rows[i] = rows
-            self.desc.data[i] = tiles.data_ptr()
+        # One descriptor per run of parts of the same family (each kernel reads only its
+        # own); _slots[i] is where part i's address is written.
+        self._segments: list[_Segment] = []
+        self._slots: list[tuple[cpu_kernels.QWeightDesc, int]] = []
+        start = 0
+        for i, (qtype, rows, stored) in enumerate(self.tiles):
+            kq = qtype in KQUANT_TYPES
+            if not self._segments or self._segments[-1].kquant != kq:
+                self._segments.append(_Segment(kq, i, 0, start, start,
+                                               cpu_kernels.QWeightDesc()))
+            seg = self._segments[-1]
+            slot = seg.count
+            seg.desc.type[slot] = qtype
+            seg.desc.rows[slot] = rows
+            seg.desc.data[slot] = stored.data_ptr()
+            seg.count += 1
+            seg.desc.nparts = seg.count
+            seg.stop = start = start + rows
+            self._slots.append((seg.desc, slot))
+        # The 32-value descriptor the one-call decoder stack reads (small_batch.py), valid
+        # where every part is of that family (see has_kquant).
+        self.desc = self._segments[0].desc
+        self.has_kquant = any(seg.kquant for seg in self._segments)
 
     @property
     def parts(self) -> list[tuple[int, torch.Tensor]]:
         """``(type, rows [n, row_bytes])`` in the file's layout (rebuilt from the tiles)."""
-        return [(qtype, tiles_to_blocks(qtype, tiles, rows, self.in_features))
-                for qtype, rows, tiles in self.tiles]
+        return [(qtype, stored if qtype in KQUANT_TYPES
+                 else tiles_to_blocks(qtype, stored, rows, self.in_features))
+                for qtype, rows, stored in self.tiles]
+
+    def _run(self, seg: _Segment, x: torch.Tensor, bias: torch.Tensor | None,
+             fast: bool) -> torch.Tensor:
+        if fast:
+            kernel = cpu_kernels.kquant_matmul if seg.kquant else cpu_kernels.quant_matmul
+            return kernel(x, seg.desc, seg.stop - seg.start,
+                          None if bias is None else bias.contiguous())
+        torch_fn: _Matmul = kquant_matmul_torch if seg.kquant else gguf_matmul_torch
+        return torch_fn(x, self.parts[seg.first:seg.first + seg.count], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias
-        if cpu_kernels.supports(x.dtype, x.device) and (bias is None or bias.dtype == x.dtype):
-            return cpu_kernels.quant_matmul(x.contiguous(), self.desc, self.out_features, bias)
-        return gguf_matmul_torch(x, self.parts, bias)
+        fast = cpu_kernels.supports(x.dtype, x.device) and (bias is None or
+                                                             bias.dtype == x.dtype)
+        if fast:
+            x = x.contiguous()
+        if len(self._segments) == 1:
+            return self._run(self._segments[0], x, bias, fast)
+        # Each family's columns with their share of the bias, rounded once to x's dtype.
+        return torch.cat([self._run(seg, x, None if bias is None else bias[seg.start:seg.stop],
+                                    fast) for seg in self._segments], dim=-1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, in_features]`` weight rows ``ids`` (single-part linears)."""
         assert len(self.tiles) == 1
-        qtype, _, tiles = self.tiles[0]
-        return dequantize_rows(qtype, tile_rows(qtype, tiles, self.in_features, ids),
+        qtype, _, stored = self.tiles[0]
+        if qtype in KQUANT_TYPES:
+            return dequantize_krows(qtype, stored.index_select(0, ids), self.in_features)
+        return dequantize_rows(qtype, tile_rows(qtype, stored, self.in_features, ids),
                                self.in_features)
 
     def resident_tensors(self) -> list[torch.Tensor]:
@@ -102,11 +175,11 @@ class GGUFLinear(nn.Module):
         assert [t.shape for t in tiles] == [t.shape for t in self.resident_tensors()]
         self.tiles = [(qtype, rows, new) for (qtype, rows, _), new in
                       zip(self.tiles, tiles, strict=True)]
-        for i, new in enumerate(tiles):
-            self.desc.data[i] = new.data_ptr()
+        for (desc, slot), new in zip(self._slots, tiles, strict=True):
+            desc.data[slot] = new.data_ptr()
 
     def extra_repr(self) -> str:
-        types = "+".join(TYPE_NAMES[t] for t, _, _ in self.tiles)
+        types = "+".join(NATIVE_TYPE_NAMES[t] for t, _, _ in self.tiles)
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
 
 
@@ -169,8 +242,12 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tenso
         _set_module(model, path, GGUFLinear(parts, module.in_features, module.bias))
         used.update(names)
     if kept:
-        logger.info("quantization=gguf: %d linears are not in Q8_0/Q4_0/Q4_1 and load "
-                    "dequantized, e.g. %s", len(kept), kept[0])
+        logger.info("quantization=gguf: %d linears have a part in a type not run natively "
+                    "and load dequantized, e.g. %s", len(kept), kept[0])
+    if any(isinstance(m, GGUFLinear) and m.has_kquant for m in model.modules()):
+        logger.info("quantization=gguf: K-quant linears run with csrc/kquant_matmul.c; "
+                    "decode steps run layer by layer (the one-call decoder stack reads the "
+                    "32-value types only)")
     emb_name = "model.embed_tokens.weight"
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if emb_name in blocks and isinstance(embed, nn.Embedding):
@@ -184,4 +261,5 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tenso
     return used
 
 
-__all__ = ["QK", "GGUFEmbedding", "GGUFLinear", "SUPPORTED_TYPES", "apply_gguf_blocks"]
+__all__ = ["KQUANT_TYPES", "NATIVE_TYPE_NAMES", "QK", "SUPPORTED_TYPES", "GGUFEmbedding",
+           "GGUFLinear", "apply_gguf_blocks"]

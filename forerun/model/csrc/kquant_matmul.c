@@ -1,0 +1,452 @@
+/* y = x @ W.T (+ bias) with W in GGUF's K-quant super-blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K):
+ * the matmuls of quantization="gguf" for those types (CPU).
+ *
+ * The formats, per super-block of 256 values of a weight row (ggml's layouts; byte offsets):
+ *   Q2_K  84 B: scales[16] (lo nibble scale, hi nibble min, per 16 values), qs[64], d, dmin
+ *               value 128h + 32g + i = bits 2g..2g+1 of qs[32h + i];   w = d sc q - dmin m
+ *   Q3_K 110 B: hmask[32], qs[64], scales[12] (6-bit, minus 32, per 16 values), d
+ *               low 2 bits as Q2_K; minus 4 unless bit v/32 of hmask[v%32]; w = d sc q
+ *   Q4_K 144 B: d, dmin, scales[12] (6-bit scale and min per 32 values), qs[128]
+ *               value 32s + i = nibble s%2 of qs[32(s/2) + i];         w = d sc q - dmin m
+ *   Q5_K 176 B: d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibble plus 16 * bit s of qh[i]
+ *   Q6_K 210 B: ql[128], qh[64], scales[16] (int8, per 16 values), d
+ *               half h: value 64p + i = nibble p of ql[64h + i], plus 16 * bits 2g..2g+1 of
+ *               qh[32h + v%32] (g = v/32), minus 32;                   w = d sc q
+ * forerun/model/quant/kquant_blocks.py reads the same bits in torch (and names the oracle).
+ * A row's super-blocks are used as the file stores them: the GEMV walks a row's bytes once,
+ * in order.
+ *
+ * Activations (Q8_K-style): each row of x is quantized per 256 to int8 with one scale
+ * s = max|x| / 127 (round to nearest even), and the sum of every 16 int8 values is kept.
+ * With a weight w = dl * q - ml per sub-block, a super-block contributes
+ *   s * (d * sum_sub sc * dot(q, a) - dmin * sum_sub m * sum(a)):
+ * dot products of small unsigned integers with int8 (maddubs: 32 products per instruction,
+ * pairs summed in int16), weighted by the sub-block scales in int32 (madd), so the whole
+ * super-block is one integer sum and one float multiply. Signed types (Q3_K, Q6_K) are read
+ * as unsigned q + offset, the offset taken back with the activation sums.
+ *
+ * Bodies by the build's -march: AVX2 (with FMA and F16C), or plain C; kquant_matmul_isa()
+ * says which. A weight row is read once for up to MAXM activation rows (its unpacked
+ * quants feed all of them); rows are shared among threads.
+ * Built and loaded by forerun/model/cpu_kernels.py.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QK_K 256
+#define MAXM 4      /* activation rows per pass over a weight row */
+#define MCHUNK 256  /* activation rows whose quantized values stay cache-resident together */
+#define MAXPARTS 4
+
+enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
+
+/* Same layout as quant_matmul.c's qweight_t (cpu_kernels.QWeightDesc): row ranges, each in
+ * its own type, rows concatenated; data[p] is part p's rows in the file's layout. */
+typedef struct {
+    int64_t nparts;
+    int64_t type[MAXPARTS];
+    int64_t rows[MAXPARTS];
+    const uint8_t *data[MAXPARTS];
+} qweight_t;
+
+/* One quantized activation row: q[k], s[k/256], bsum[k/16]. */
+typedef struct {
+    const int8_t *q;
+    const float *s;
+    const int16_t *bsum;
+} act_t;
+
+static int64_t kblock_bytes(int64_t type) {
+    switch (type) {
+    case QT_Q2_K: return 84;
+    case QT_Q3_K: return 110;
+    case QT_Q4_K: return 144;
+    case QT_Q5_K: return 176;
+    case QT_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            exp = 1;
+            while (!(man & 0x400u)) { man <<= 1; --exp; }
+            man &= 0x3ffu;
+            u = sign | ((exp + 112u) << 23) | (man << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+/* ---- activations ------------------------------------------------------------------------ */
+static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s, int16_t *bsum) {
+    for (int64_t b = 0; b < k / QK_K; ++b) {
+        const float *xb = x + b * QK_K;
+        float amax = 0.f;
+        for (int j = 0; j < QK_K; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        for (int g = 0; g < QK_K / 16; ++g) {
+            int32_t sum = 0;
+            for (int j = 16 * g; j < 16 * g + 16; ++j) {
+                const int32_t v = (int32_t)nearbyintf(xb[j] * inv);
+                q[b * QK_K + j] = (int8_t)v;
+                sum += v;
+            }
+            bsum[b * 16 + g] = (int16_t)sum;
+        }
+        s[b] = d;
+    }
+}
+
+/* ---- scales ------------------------------------------------------------------------------ */
+/* Q4_K/Q5_K: 8 six-bit scales and mins from 12 bytes (bytes 0-3: scales 0-3 and the top bits
+ * of scales 4-7; bytes 4-7: the same for the mins; bytes 8-11: low nibbles of scales 4-7,
+ * high nibbles of mins 4-7). */
+static inline void scale_min_k4(const uint8_t *p, int32_t sc[8], int32_t mn[8]) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = p[j] & 63;
+        mn[j] = p[j + 4] & 63;
+        sc[j + 4] = (p[j + 8] & 0x0f) | ((p[j] >> 6) << 4);
+        mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+}
+
+/* Q3_K: 16 six-bit scales minus 32 (scale 8p + j: nibble p of byte j; scale 4t + j: its top
+ * two bits are bits 2t..2t+1 of byte 8 + j). */
+static inline void scales_q3_k(const uint8_t *p, int32_t sc[16]) {
+    for (int s = 0; s < 16; ++s) {
+        const int low = (p[s % 8] >> (4 * (s / 8))) & 0x0f;
+        const int high = (p[8 + s % 4] >> (2 * (s / 4))) & 3;
+        sc[s] = (low | (high << 4)) - 32;
+    }
+}
+
+/* Integer scale and min sums every body shares: sum_sub m * sum(a) (and, for the signed
+ * types, the offset times sum_sub sc * sum(a)). */
+static inline int32_t weighted_bsums(const int32_t w[16], const int16_t bsum[16]) {
+    int32_t t = 0;
+    for (int s = 0; s < 16; ++s) t += w[s] * bsum[s];
+    return t;
+}
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define ISA 1
+/* 32 products of u (unsigned, <= 63) and a (int8, |a| <= 127) summed pairwise in int16
+ * (no saturation: 2 * 63 * 127 < 32767), then weighted by the sub-block scales of its two
+ * halves (sc_lo for bytes 0-15, sc_hi for 16-31) into 8 int32 sums. */
+static inline __m256i dot32(__m256i u, const int8_t *a, __m256i scales) {
+    const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)a));
+    return _mm256_madd_epi16(p, scales);
+}
+
+static inline __m256i scale_pair(int32_t lo, int32_t hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((int16_t)hi), _mm_set1_epi16((int16_t)lo));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The unsigned quants of one super-block as 8 vectors of 32 values (value 32j + i in
+ * vector j, lane i), and the offset to subtract from them (0, 4 or 32). */
+static inline int unpack_u(int64_t type, const uint8_t *blk, __m256i u[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3),
+                  m1 = _mm256_set1_epi8(1);
+    switch (type) {
+    case QT_Q4_K:
+    case QT_Q5_K: {
+        const uint8_t *qs = blk + (type == QT_Q5_K ? 48 : 16);
+        for (int j = 0; j < 4; ++j) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            u[2 * j] = _mm256_and_si256(l, m4);
+            u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+        }
+        if (type == QT_Q5_K) {
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            for (int s = 0; s < 8; ++s) { /* bit s of qh[i] is bit 4 of value 32s + i */
+                u[s] = _mm256_or_si256(u[s], _mm256_slli_epi16(_mm256_and_si256(qh, m1), 4));
+                qh = _mm256_srli_epi16(qh, 1);
+            }
+        }
+        return 0;
+    }
+    case QT_Q6_K:
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+            const __m256i hi[4] = {_mm256_and_si256(qh, m2),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2)};
+            for (int g = 0; g < 4; ++g)
+                u[4 * h + g] = _mm256_or_si256(lo[g], _mm256_slli_epi16(hi[g], 4));
+        }
+        return 32;
+    case QT_Q3_K:
+    default: /* QT_Q2_K (types are checked before any row is read) */ {
+        const uint8_t *qs = blk + (type == QT_Q3_K ? 32 : 16);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            u[4 * h] = _mm256_and_si256(l, m2);
+            u[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 2), m2);
+            u[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m2);
+            u[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(l, 6), m2);
+        }
+        if (type == QT_Q2_K) return 0;
+        /* Q3_K: q = low + 4 * hbit - 4, hbit = bit j of hmask[i] for value 32j + i. */
+        __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+        for (int j = 0; j < 8; ++j) {
+            u[j] = _mm256_or_si256(u[j], _mm256_slli_epi16(_mm256_and_si256(hm, m1), 2));
+            hm = _mm256_srli_epi16(hm, 1);
+        }
+        return 4;
+    }
+    }
+}
+#else
+#define ISA 0
+/* The unsigned quants of one super-block, value v in u[v], and the offset (0, 4 or 32). */
+static inline int unpack_u(int64_t type, const uint8_t *blk, uint8_t u[QK_K]) {
+    switch (type) {
+    case QT_Q4_K:
+    case QT_Q5_K: {
+        const uint8_t *qs = blk + (type == QT_Q5_K ? 48 : 16), *qh = blk + 16;
+        for (int s = 0; s < 8; ++s)
+            for (int i = 0; i < 32; ++i) {
+                u[32 * s + i] = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0f;
+                if (type == QT_Q5_K) u[32 * s + i] |= ((qh[i] >> s) & 1) << 4;
+            }
+        return 0;
+    }
+    case QT_Q6_K:
+        for (int h = 0; h < 2; ++h)
+            for (int v = 0; v < 128; ++v) {
+                const int low = (blk[64 * h + v % 64] >> (4 * (v / 64))) & 0x0f;
+                const int high = (blk[128 + 32 * h + v % 32] >> (2 * (v / 32))) & 3;
+                u[128 * h + v] = (uint8_t)(low | (high << 4));
+            }
+        return 32;
+    case QT_Q3_K:
+    default: /* QT_Q2_K (types are checked before any row is read) */ {
+        const uint8_t *qs = blk + (type == QT_Q3_K ? 32 : 16);
+        for (int v = 0; v < QK_K; ++v) {
+            u[v] = (qs[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
+            if (type == QT_Q3_K) u[v] |= ((blk[v % 32] >> (v / 32)) & 1) << 2;
+        }
+        return type == QT_Q3_K ? 4 : 0;
+    }
+    }
+}
+#endif
+
+/* Sub-block scales and mins of one super-block, per 16 values (Q4_K/Q5_K's per-32 ones
+ * twice), and d, dmin. */
+static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16],
+                                int32_t mn[16], float *d, float *dmin) {
+    int32_t s8[8], m8[8];
+    switch (type) {
+    case QT_Q4_K:
+    case QT_Q5_K:
+        *d = fp16_to_f32(blk);
+        *dmin = fp16_to_f32(blk + 2);
+        scale_min_k4(blk + 4, s8, m8);
+        for (int s = 0; s < 16; ++s) {
+            sc[s] = s8[s / 2];
+            mn[s] = m8[s / 2];
+        }
+        return;
+    case QT_Q6_K:
+        *d = fp16_to_f32(blk + 208);
+        *dmin = 0.f;
+        for (int s = 0; s < 16; ++s) {
+            sc[s] = (int8_t)blk[192 + s];
+            mn[s] = 0;
+        }
+        return;
+    case QT_Q3_K:
+        *d = fp16_to_f32(blk + 108);
+        *dmin = 0.f;
+        scales_q3_k(blk + 96, sc);
+        for (int s = 0; s < 16; ++s) mn[s] = 0;
+        return;
+    default: /* QT_Q2_K */
+        *d = fp16_to_f32(blk + 80);
+        *dmin = fp16_to_f32(blk + 82);
+        for (int s = 0; s < 16; ++s) {
+            sc[s] = blk[s] & 0x0f;
+            mn[s] = blk[s] >> 4;
+        }
+        return;
+    }
+}
+
+/* out[i] = weight row w (nb super-blocks of type) . activation row a[i], i < m. */
+static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, int64_t m,
+                    float *out) {
+    const int64_t bb = kblock_bytes(type);
+#if ISA == 1
+    __m256 acc[MAXM];
+    float fix[MAXM];
+    for (int64_t i = 0; i < m; ++i) {
+        acc[i] = _mm256_setzero_ps();
+        fix[i] = 0.f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + b * bb;
+        int32_t sc[16], mn[16];
+        float d, dmin;
+        block_scales(type, blk, sc, mn, &d, &dmin);
+        __m256i u[8];
+        const int off = unpack_u(type, blk, u);
+        __m256i scv[8];
+        for (int j = 0; j < 8; ++j) scv[j] = scale_pair(sc[2 * j], sc[2 * j + 1]);
+        for (int64_t i = 0; i < m; ++i) {
+            const int8_t *q = a[i].q + b * QK_K;
+            const int16_t *bs = a[i].bsum + b * 16;
+            __m256i isum = dot32(u[0], q, scv[0]);
+            for (int j = 1; j < 8; ++j) isum = _mm256_add_epi32(isum, dot32(u[j], q + 32 * j,
+                                                                            scv[j]));
+            const float s = a[i].s[b];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * s), acc[i]);
+            /* Offset and mins: integer sums over the 16 sub-blocks. */
+            const int32_t corr = off ? off * weighted_bsums(sc, bs) : 0;
+            const int32_t msum = dmin != 0.f ? weighted_bsums(mn, bs) : 0;
+            fix[i] += s * (d * (float)corr + dmin * (float)msum);
+        }
+    }
+    for (int64_t i = 0; i < m; ++i) out[i] = hsum8(acc[i]) - fix[i];
+#else
+    for (int64_t i = 0; i < m; ++i) out[i] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + b * bb;
+        int32_t sc[16], mn[16];
+        float d, dmin;
+        block_scales(type, blk, sc, mn, &d, &dmin);
+        uint8_t u[QK_K];
+        const int off = unpack_u(type, blk, u);
+        for (int64_t i = 0; i < m; ++i) {
+            const int8_t *q = a[i].q + b * QK_K;
+            const int16_t *bs = a[i].bsum + b * 16;
+            int32_t isum = 0;
+            for (int s = 0; s < 16; ++s) {
+                int32_t dot = 0;
+                for (int j = 16 * s; j < 16 * s + 16; ++j) dot += u[j] * q[j];
+                isum += sc[s] * (dot - off * bs[s]);
+            }
+            const int32_t msum = weighted_bsums(mn, bs);
+            out[i] += a[i].s[b] * (d * (float)isum - dmin * (float)msum);
+        }
+    }
+#endif
+}
+
+/* 1: AVX2 (maddubs), 0: plain C (for tests and logs). */
+int kquant_matmul_isa(void) { return ISA; }
+
+/* y [m, n] (float32) = xf [m, k] @ W.T: the body shared by both activation dtypes. */
+static int kquant_matmul_core(const float *xf, const qweight_t *w, float *y, int64_t m,
+                              int64_t n, int64_t k) {
+    if (k % QK_K || w->nparts < 1 || w->nparts > MAXPARTS) return -2;
+    int64_t total = 0, first_row[MAXPARTS + 1];
+    for (int64_t p = 0; p < w->nparts; ++p) {
+        if (!kblock_bytes(w->type[p]) || w->rows[p] < 1) return -2;
+        first_row[p] = total;
+        total += w->rows[p];
+    }
+    first_row[w->nparts] = total;
+    if (total != n) return -2;
+    const int64_t nb = k / QK_K;
+    /* One allocation: quantized rows, then scales, then the sums per 16. */
+    const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
+    const size_t sbytes = sizeof(float) * (size_t)(m * nb);
+    char *scratch = malloc(qbytes + sbytes + sizeof(int16_t) * (size_t)(m * k / 16));
+    if (!scratch) return -1;
+    int8_t *qa = (int8_t *)scratch;
+    float *sa = (float *)(scratch + qbytes);
+    int16_t *ba = (int16_t *)(scratch + qbytes + sbytes);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; ++i)
+            quantize_row_k(xf + i * k, k, qa + i * k, sa + i * nb, ba + i * (k / 16));
+        for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
+            const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; ++r) {
+                int64_t p = 0;
+                while (r >= first_row[p + 1]) ++p;
+                const int64_t type = w->type[p];
+                const uint8_t *row = w->data[p] + (r - first_row[p]) * nb * kblock_bytes(type);
+                for (int64_t i = i0; i < i0 + mc; i += MAXM) {
+                    const int64_t mi = i + MAXM <= i0 + mc ? MAXM : i0 + mc - i;
+                    act_t acts[MAXM];
+                    for (int64_t t = 0; t < mi; ++t)
+                        acts[t] = (act_t){qa + (i + t) * k, sa + (i + t) * nb,
+                                          ba + (i + t) * (k / 16)};
+                    float out[MAXM];
+                    row_dot(type, row, nb, acts, mi, out);
+                    for (int64_t t = 0; t < mi; ++t) y[(i + t) * n + r] = out[t];
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* y [m, n] = x [m, k] @ W.T (+ bias), W a qweight_t of K-quant parts; same signature as
+ * quant_matmul_f32. */
+int kquant_matmul_f32(const float *x, const void *w, const float *bias, float *y, int64_t m,
+                      int64_t n, int64_t k) {
+    const int rc = kquant_matmul_core(x, w, y, m, n, k);
+    if (rc == 0 && bias)
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) y[i * n + j] += bias[j];
+    return rc;
+}
+
+int kquant_matmul_bf16(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k) {
+    float *xf = malloc(sizeof(float) * (size_t)(m * k + m * n));
+    if (!xf) return -1;
+    float *yf = xf + m * k;
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_f32(x[i]);
+    const int rc = kquant_matmul_core(xf, w, yf, m, n, k);
+    if (rc == 0) {
+#pragma omp parallel for schedule(static) if (m * n > 65536)
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j)
+                y[i * n + j] = f32_to_bf16(yf[i * n + j] + (bias ? bf16_to_f32(bias[j]) : 0.f));
+    }
+    free(xf);
+    return rc;
+}

@@ -1,0 +1,215 @@
+"""K-quant kernels (forerun/model/csrc/kquant_matmul.c and the torch fallback) against float64
+oracles that dequantize the same blocks with the ``gguf`` package.
+
+The blocks come from the tests' own packer (tests/kquant_pack.py: ``gguf`` cannot write
+K-quants) and from random bytes (every bit pattern); the oracle never uses the packer's
+idea of the format, only ``gguf.quants.dequantize``. Every instruction-set body this machine
+can run is built on its own (``-march=...``) and checked, besides the kernel library's native
+build and the pure-torch fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+from gguf.quants import dequantize, quantize
+
+from forerun.model import cpu_kernels
+from forerun.model.quant import resident_weight_bytes
+from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
+from forerun.model.quant.kquant_blocks import dequantize_krows, kquant_matmul_torch
+from tests.kernel_variants import build_quant_variant
+from tests.kquant_pack import pack_kquant, random_kblocks
+
+KTYPES = [GT.Q4_K, GT.Q6_K, GT.Q5_K, GT.Q3_K, GT.Q2_K]
+# (m rows of x, n outputs, k inputs): batch 1 and 64, odd n and m, k one super-block and many.
+SHAPES = [(1, 37, 256), (1, 96, 1024), (3, 17, 768), (5, 1, 512), (64, 45, 256),
+          (64, 8, 1536)]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# -march -> the CPU flags its body needs.
+_VARIANTS = {"x86-64": set(), "haswell": {"avx2", "fma", "f16c"}}
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | None]:
+    """Loaded libraries per path name; None is the kernel library's native build."""
+    if cpu_kernels.kernel_library() is None:
+        return {}
+    libs: dict[str, ctypes.CDLL | None] = {"native": None}
+    flags = _cpu_flags()
+    out = tmp_path_factory.mktemp("kquant-variants")
+    for march, needs in _VARIANTS.items():
+        if needs <= flags:
+            libs[march] = build_quant_variant(march, out, "kquant_matmul.c",
+                                              cpu_kernels.bind_kquant_kernels)
+    return libs
+
+
+def _paths(variants: dict[str, ctypes.CDLL | None]) -> list[tuple[str, ctypes.CDLL | None]]:
+    return [*variants.items(), ("torch", None)]
+
+
+def _weights(qtype: GT, n: int, k: int, seed: int, random_bytes: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if random_bytes:
+        return random_kblocks(qtype, n, k, rng)
+    return pack_kquant(rng.standard_normal((n, k)).astype(np.float32), qtype)
+
+
+def _act_oracle(x: np.ndarray, block: int = 256) -> np.ndarray:
+    """x after the activation quantization the kernels use (per ``block`` values, one scale
+    max|x| / 127, round half to even), in float64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // block, block)
+    s = np.abs(xb).max(axis=-1, keepdims=True) / 127.0
+    q = np.round(np.divide(xb, s, out=np.zeros_like(xb), where=s > 0))
+    return (q * s).reshape(m, k)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, oracle: np.ndarray, exact: np.ndarray) -> None:
+    got = y.double().numpy()
+    scale = np.abs(exact).max()
+    # Same function: only float rounding (and a rare activation rounding tie) differ.
+    tol = 8e-3 if y.dtype == torch.bfloat16 else 2e-4  # bf16 output: 2^-8 relative
+    assert np.abs(got - oracle).max() <= tol * scale
+    # And the function is close to the product with unquantized activations (8 bits per
+    # value, one scale per 256).
+    assert np.abs(got - exact).max() <= 4e-2 * scale
+
+
+def _run(lin: GGUFLinear, x: torch.Tensor, path: str, lib: ctypes.CDLL | None,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    if path == "torch":
+        return kquant_matmul_torch(x, lin.parts, bias)
+    seg = lin._segments[0]
+    assert len(lin._segments) == 1 and seg.kquant
+    return cpu_kernels.kquant_matmul(x.contiguous(), seg.desc, lin.out_features, bias, lib=lib)
+
+
+@pytest.mark.parametrize("random_bytes", [False, True], ids=["packed", "random-bytes"])
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kquant_matmul_matches_float64_oracle(variants, qtype: GT, shape, random_bytes: bool
+                                              ) -> None:
+    m, n, k = shape
+    raw = _weights(qtype, n, k, seed=m * 1000 + n + int(qtype), random_bytes=random_bytes)
+    wd = dequantize(raw, qtype).astype(np.float64)
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    x[0, :256] = 0.0  # an all-zero activation block (scale 0)
+    xd = x.double().numpy()
+    oracle, exact = _act_oracle(xd) @ wd.T, xd @ wd.T
+    for path, lib in _paths(variants):
+        _check(_run(lin, x, path, lib), x, oracle, exact)
+
+
+def test_every_available_body_was_checked(variants) -> None:
+    if cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler here: only the torch fallback runs")
+    isas = {cpu_kernels.kquant_matmul_isa(lib) for lib in variants.values()}
+    assert "c" in isas  # the plain-C body runs on any x86-64
+    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+        assert "avx2" in isas
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_bias_bfloat16_and_module_call(variants, qtype: GT) -> None:
+    raw = _weights(qtype, 40, 512, seed=7, random_bytes=False)
+    wd = dequantize(raw, qtype).astype(np.float64)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(4))
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], 512,
+                     torch.nn.Parameter(bias, requires_grad=False))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    for xin, b in ((x, bias), (x.bfloat16(), bias.bfloat16())):
+        xd, bd = xin.double().numpy(), b.double().numpy()
+        oracle, exact = _act_oracle(xd) @ wd.T + bd, xd @ wd.T + bd
+        for path, lib in _paths(variants):
+            y = _run(lin, xin, path, lib, b)
+            assert y.dtype == xin.dtype
+            _check(y, xin, oracle, exact)
+    # The module itself (kernel where it is built), leading dimensions kept.
+    lin.bias = torch.nn.Parameter(bias, requires_grad=False)
+    y = lin(x.reshape(5, 1, 512))
+    assert y.shape == (5, 1, 40)
+    xd = x.double().numpy()
+    _check(y.reshape(5, 40), x, _act_oracle(xd) @ wd.T + bias.double().numpy(),
+           xd @ wd.T + bias.double().numpy())
+
+
+def test_fused_parts_of_both_families(variants) -> None:
+    """q/k/v-like parts in Q4_K, Q8_0 and Q6_K (as Q4_K_M files mix them): each family's
+    kernel runs on its columns, with its own activation quantization."""
+    rng = np.random.default_rng(5)
+    k = 512
+    raws = [(GT.Q4_K, pack_kquant(rng.standard_normal((24, k)).astype(np.float32), GT.Q4_K)),
+            (GT.Q8_0, quantize(rng.standard_normal((8, k)).astype(np.float32), GT.Q8_0)),
+            (GT.Q6_K, pack_kquant(rng.standard_normal((9, k)).astype(np.float32), GT.Q6_K)),
+            (GT.Q5_K, pack_kquant(rng.standard_normal((3, k)).astype(np.float32), GT.Q5_K))]
+    bias = torch.randn(44, generator=torch.Generator().manual_seed(1))
+    lin = GGUFLinear([(int(t), torch.from_numpy(r.copy())) for t, r in raws], k,
+                     torch.nn.Parameter(bias, requires_grad=False))
+    assert [s.kquant for s in lin._segments] == [True, False, True]
+    assert lin.has_kquant and "Q4_K+Q8_0+Q6_K+Q5_K" in repr(lin)
+    for m in (1, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        xd = x.double().numpy()
+        oracle = np.concatenate([
+            _act_oracle(xd, 32 if t == GT.Q8_0 else 256) @ dequantize(r, t).astype(
+                np.float64).T for t, r in raws], axis=1) + bias.double().numpy()
+        exact = xd @ np.concatenate([dequantize(r, t) for t, r in raws]).astype(
+            np.float64).T + bias.double().numpy()
+        _check(lin(x), x, oracle, exact)
+        with pytest.MonkeyPatch.context() as mp:  # the pure-torch path
+            mp.setattr(cpu_kernels, "supports", lambda *a: False)
+            _check(lin(x), x, oracle, exact)
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_dequantized_rows_are_the_files_values(qtype: GT) -> None:
+    for random_bytes in (False, True):
+        raw = _weights(qtype, 30, 512, seed=11, random_bytes=random_bytes)
+        want = dequantize(raw, qtype)
+        got = dequantize_krows(int(qtype), torch.from_numpy(raw.copy()), 512)
+        assert np.array_equal(got.numpy(), want)
+    table = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], 512)
+    assert np.array_equal(table.parts[0][1].numpy(), raw)  # held as the file's bytes
+    emb = GGUFEmbedding(table, torch.float32)
+    ids = torch.tensor([[3, 0, 29], [3, 3, 17]])
+    assert torch.equal(emb(ids), torch.from_numpy(want)[ids])
+    assert resident_weight_bytes(emb) == raw.nbytes  # no padding, no copy
+
+
+def test_relocated_blocks_are_read_from_their_new_place() -> None:
+    raw = _weights(GT.Q4_K, 20, 256, seed=2, random_bytes=False)
+    lin = GGUFLinear([(int(GT.Q8_0), torch.from_numpy(quantize(
+        np.ones((4, 256), np.float32), GT.Q8_0))), (int(GT.Q4_K), torch.from_numpy(raw))], 256)
+    x = torch.randn(2, 256)
+    want = lin(x)
+    copies = [t.clone() for t in lin.resident_tensors()]
+    for t in lin.resident_tensors():
+        t.zero_()  # the old place no longer holds the weights
+    lin.relocate(copies)
+    assert torch.equal(lin(x), want)
+
+
+def test_rows_must_be_whole_super_blocks() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        GGUFLinear([(int(GT.Q4_K), torch.zeros(4, 72, dtype=torch.uint8))], 128)
+    with pytest.raises(ValueError, match="Q6_K rows of 256 values"):
+        GGUFLinear([(int(GT.Q6_K), torch.zeros(4, 200, dtype=torch.uint8))], 256)
