@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,54 +22,85 @@ _DTYPES = {
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
+def _json_dict(text: str) -> dict[str, Any]:
+    """A command-line JSON object (``--speculative-config``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _opt(default: Any, help: str, **flag: Any) -> Any:
+    """A config field with what its command-line flag needs (:mod:`forerun.engine_args`):
+    ``help``, and optionally ``short`` (an alias), ``choices``, ``negative`` (a flag that
+    turns it off) and ``parse`` (the string-to-value function)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs to start, with vLLM's names where vLLM has the knob."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    seed: int = 0
-    async_scheduling: str | bool | None = "auto"
-    max_concurrent_batches: int | None = None
-    defer_block_free: bool | None = None
-    trace_file: str | None = None
-    # A grammar still compiling after this long finishes its request with an error.
-    structured_outputs_compile_timeout_s: float = 30.0
-    # The most top-N alternatives a request may ask for; -1 allows the whole vocabulary.
-    max_logprobs: int = 20
-    # None keeps today's exact path (weights dequantized to dtype); "gguf" or "int8".
-    quantization: str | None = None
-    # vLLM's dict: {"method": "ngram" | "suffix", "num_speculative_tokens": K, ...}.
-    speculative_config: dict[str, Any] | None = None
-    # "DEVICE[/MODEL]" (e.g. "h100/llama-3-8b"): run the engine with a forward that sleeps
-    # for that model's modelled step time on that device (forerun.worker.simulated).
-    simulated_device: str | None = None
-    # Data parallel: this many engine cores behind one API server, each with its own share
-    # of the CPU cores (vLLM's name); the rank is set per core by the client.
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    # Tensor parallel: each engine's model split over this many processes (vLLM's name).
-    tensor_parallel_size: int = 1
-    # Pipeline parallel: the layers split in this many contiguous stages, one process group
-    # of tensor_parallel_size ranks each; the batch queue is this deep (+ 1 with async).
-    pipeline_parallel_size: int = 1
-    # The tensor-parallel ranks spread over machines: node 0 runs the engine and its share
-    # of the ranks; every other node runs only ranks (``forerun serve --node-rank k``).
-    # The rendezvous is master_addr:master_port (else MASTER_ADDR / MASTER_PORT, else this
-    # machine and a free port, which only a single node can use).
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
+    model: str | None = _opt(
+        None, "local GGUF file or HF-style folder (default: SmolLM2-135M-Instruct)")
+    dtype: str = _opt("auto", "auto, float32, bfloat16 or float16 (CUDA only)")
+    device: str = _opt("auto", "auto, cpu or cuda")
+    max_model_len: int | None = _opt(None, "the longest prompt + output (default: the model's)")
+    max_num_seqs: int = _opt(256, "the most sequences in one step")
+    max_num_batched_tokens: int = _opt(
+        2048, "the per-step token budget; prefill is chunked by it")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "KV cache size in bytes (default: 2 GiB on CPU, a share of free memory on CUDA)")
+    gpu_memory_utilization: float = _opt(
+        0.9, "CUDA: the share of free device memory the KV cache takes")
+    num_gpu_blocks_override: int | None = _opt(None, "this many KV blocks, whatever the memory")
+    seed: int = _opt(0, "the seed of unseeded sampling")
+    async_scheduling: str | bool | None = _opt(
+        "auto", "plan step N+1 while step N runs", choices=("auto", "on", "off"),
+        negative="--no-async-scheduling")
+    max_concurrent_batches: int | None = _opt(
+        None, "steps in flight at once (default: 2 with async scheduling, 1 without)")
+    defer_block_free: bool | None = _opt(
+        None, "free a finished request's blocks only once no step in flight can write them "
+              "(default: on when more than one step is in flight)")
+    trace_file: str | None = _opt(None, "write a Chrome trace of engine and worker activity here")
+    structured_outputs_compile_timeout_s: float = _opt(
+        30.0, "a grammar still compiling after this many seconds fails its request")
+    max_logprobs: int = _opt(
+        20, "the most logprobs a request may ask for; -1 for the whole vocabulary")
+    quantization: str | None = _opt(
+        None, "gguf (compute with a GGUF's quantized blocks) or int8; default: the exact path, "
+              "weights dequantized to dtype", short="-q")
+    speculative_config: dict[str, Any] | None = _opt(
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, '
+              "suffix)", parse=_json_dict)
+    simulated_device: str | None = _opt(
+        None, "DEVICE[/MODEL], e.g. h100/llama-3-8b: the forward only sleeps for its modelled "
+              "step time (to measure the host side)")
+    data_parallel_size: int = _opt(
+        1, "engine cores behind one server, each on its own share of the CPUs", short="-dp")
+    data_parallel_rank: int = _opt(0, "this engine core's data-parallel rank (set per core)")
+    tensor_parallel_size: int = _opt(
+        1, "split each engine's model over this many processes (torch.distributed)",
+        short="-tp")
+    pipeline_parallel_size: int = _opt(
+        1, "split each engine's layers into this many stages, one process group of "
+           "tensor_parallel_size ranks each (torch.distributed); the batch queue is this deep "
+           "(+ 1 with async)", short="-pp")
+    nnodes: int = _opt(
+        1, "machines the engine's ranks spread over: node 0 runs the engine and its share of "
+           "the ranks; every other node runs only ranks")
+    node_rank: int = _opt(0, "this machine's index; nodes other than 0 run ranks only")
+    master_addr: str | None = _opt(
+        None, "rendezvous host (default: MASTER_ADDR, else 127.0.0.1)")
+    master_port: int | None = _opt(
+        None, "rendezvous port (default: MASTER_PORT, else a free one, which only a single "
+              "node can use; needed with nnodes > 1)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
