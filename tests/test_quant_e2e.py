@@ -5,6 +5,7 @@ async engine must produce the synchronous one's tokens."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,8 @@ from forerun.model.loader import load_model, load_model_config, resolve_model
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear
 from tests.conftest import SMOLLM2_GGUF, smollm2_dir
+from tests.kquant_pack import BLOCK_BYTES as KQUANT_PACKED
+from tests.kquant_pack import pack_kquant
 from tests.paged_driver import PagedDriver
 
 CPU = torch.device("cpu")
@@ -68,10 +71,14 @@ def requantize_gguf(src: Path, dst: Path, qtype: GT) -> Path:
 
 
 # ---- tiny random models -------------------------------------------------------------------
-def _write_tiny_gguf(path: Path, qtype: GT, tied: bool, seed: int) -> None:
-    """A random llama with hidden 64 written with its 2-D weights in ``qtype``."""
+def _write_tiny_gguf(path: Path, qtype: GT, tied: bool, seed: int, hidden: int = 64,
+                     inter: int = 96, types: dict[str, GT] | None = None,
+                     std: float = 0.15) -> None:
+    """A random llama with hidden 64 (or ``hidden``) written with its 2-D weights (normal,
+    ``std``) in ``qtype``, or in ``types[suffix]`` for tensor names ending in a suffix given
+    there."""
     rng = np.random.default_rng(seed)
-    hidden, inter, layers, heads, kv, vocab = 64, 96, 2, 4, 2, 256
+    layers, heads, kv, vocab = 2, 4, 2, 256
     w = GGUFWriter(path, "llama")
     w.add_block_count(layers)
     w.add_context_length(256)
@@ -85,12 +92,13 @@ def _write_tiny_gguf(path: Path, qtype: GT, tied: bool, seed: int) -> None:
     w.add_eos_token_id(3)
 
     def mat(name: str, n: int, k: int) -> None:
-        arr = (0.15 * rng.standard_normal((n, k))).astype(np.float32)
-        if qtype == GT.F32:
+        arr = (std * rng.standard_normal((n, k))).astype(np.float32)
+        t = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), qtype)
+        if t == GT.F32:
             w.add_tensor(name, arr)
             return
-        q = quantize(arr, qtype)
-        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+        q = pack_kquant(arr, t) if t in KQUANT_PACKED else quantize(arr, t)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
 
     def norm(name: str, n: int) -> None:
         w.add_tensor(name, (1 + 0.2 * rng.standard_normal(n)).astype(np.float32))
@@ -155,6 +163,82 @@ def test_tiny_gguf_model_computes_with_its_blocks(tmp_path: Path, monkeypatch, q
     assert (got - want).abs().max() < 0.05 * scale
     # ...and every path computes the same function as the torch one.
     assert (got - ref).abs().max() < 2e-3 * scale
+
+
+def _paged_logits(model: torch.nn.Module) -> torch.Tensor:
+    """Logits of a prefill and three single-token decode steps."""
+    prompt = [5, 17, 250, 3, 99, 42, 7, 200, 12, 64, 1]
+    with torch.inference_mode():
+        d = PagedDriver(model)
+        out = [d.step([("a", prompt)])[0]]
+        out += [d.step([("a", [tok])])[0] for tok in (9, 31, 77)]
+    return torch.cat(out)
+
+
+# Q4_K_M's recipe in small: attention values and MLP down projections in Q6_K, the rest Q4_K.
+_Q4_K_M = {"attn_v.weight": GT.Q6_K, "ffn_down.weight": GT.Q6_K}
+
+
+@pytest.mark.usefixtures("private_model_cache")
+@pytest.mark.parametrize("mix", ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "Q4_K_M",
+                                 "Q4_K+Q8_0"])
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_tiny_kquant_model_computes_with_its_blocks(tmp_path: Path, monkeypatch, mix: str,
+                                                    path: str) -> None:
+    """Hidden 256 (whole super-blocks), every 2-D weight in K-quants (or mixed with Q8_0 in
+    the same fused projections): all held in their blocks, logits those of the exact path
+    up to the activation quantization, and every path the torch function."""
+    types = {"Q4_K_M": _Q4_K_M, "Q4_K+Q8_0": {"attn_k.weight": GT.Q8_0,
+                                              "ffn_up.weight": GT.Q8_0}}.get(mix, {})
+    base = GT.Q4_K if mix in ("Q4_K_M", "Q4_K+Q8_0") else GT[mix]
+    file = tmp_path / "tiny-k.gguf"
+    # std 0.075: a gain per matmul (std * sqrt(256)) of 1.2, as the hidden-64 model's; a
+    # random model of larger gain amplifies any rounding layer by layer.
+    _write_tiny_gguf(file, base, tied=mix != "Q6_K", seed=len(mix), hidden=256, inter=512,
+                     types=types, std=0.075)
+    source = resolve_model(str(file))
+    config = load_model_config(source)
+    exact = load_model(source, config, torch.float32, CPU)
+    ours = load_model(source, config, torch.float32, CPU, quantization="gguf")
+    for layer in ours.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj):
+            assert isinstance(lin, GGUFLinear) and lin.has_kquant
+    assert isinstance(ours.model.embed_tokens, GGUFEmbedding)
+    assert ours.quant_head is not None
+    assert ours.resident_weight_bytes < exact.resident_weight_bytes / 3
+    # The one-call decoder stack declines K-quant linears: decode runs op by op.
+    assert not ours.small_batch.can_run(torch.float32)
+    want = _paged_logits(exact)
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu_kernels, "supports", lambda *a: False)
+        ref = _paged_logits(ours)
+    got = ref if path == "torch" else _paged_logits(ours)
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 0.05 * scale
+    # The torch reference also runs attention and the norms in torch, whose last-bit
+    # differences can flip an activation's 8-bit rounding and grow through the layers (most
+    # in the coarsest types); per linear the kernels match torch to 1e-6
+    # (tests/test_kquant_kernels.py).
+    assert (got - ref).abs().max() < 5e-3 * scale
+
+
+@pytest.mark.usefixtures("private_model_cache")
+def test_types_not_run_natively_load_dequantized_and_are_logged(tmp_path: Path, caplog
+                                                                 ) -> None:
+    """A Q5_0 up projection (no kernel here) takes its fused gate/up partner (Q4_K) with it
+    into the dequantized path; the log names both types."""
+    file = tmp_path / "tiny-q50.gguf"
+    _write_tiny_gguf(file, GT.Q4_K, tied=True, seed=3, hidden=256, inter=512,
+                     types={"ffn_up.weight": GT.Q5_0})
+    source = resolve_model(str(file))
+    with caplog.at_level(logging.INFO, logger="forerun.model.loader"):
+        model = load_model(source, load_model_config(source), torch.float32, CPU,
+                           quantization="gguf")
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, GGUFLinear)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
+    lines = [r.message for r in caplog.records if "loaded dequantized" in r.message]
+    assert lines and "Q4_K x 2" in lines[0] and "Q5_0 x 2" in lines[0], lines
 
 
 @pytest.mark.usefixtures("private_model_cache")
