@@ -112,6 +112,12 @@ class Request:
         return len(self._all_token_ids) + self.num_spec_tokens
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        """The tokens the request will have once the steps in flight deliver their samples
+        (drafts in flight counted as accepted)."""
+        return len(self._all_token_ids) + self.num_output_placeholders
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from forerun.core.kv_cache_manager import KVCacheManager, cdiv
 from forerun.core.output import (
@@ -16,7 +18,7 @@ from forerun.core.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from forerun.core.stats import SchedulerStats
+from forerun.core.stats import SchedulerCounters, SchedulerStats
 from forerun.request import Request, RequestStatus
 from forerun.structured.manager import GrammarEvent, Readiness
 
@@ -42,20 +44,6 @@ class SchedulerConfig:
     # Pipeline stages: each step takes about 1/pp of the requests, so the stages work on
     # different requests at once (see Scheduler._pipeline_skips).
     pipeline_parallel_size: int = 1
-
-
-@dataclass(slots=True)
-class SchedulerCounters:
-    """Live counters since start; :meth:`Scheduler.make_stats` snapshots them."""
-
-    steps: int = 0
-    num_preemptions: int = 0
-    wasted_tokens: int = 0
-    num_scheduled_tokens: int = 0
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -132,7 +120,6 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot of the queues and counters (the KV cache reports its own)."""
-        c = self.counters
         grammar = (self.structured_output_manager.stats
                    if self.structured_output_manager is not None else None)
         return SchedulerStats(
@@ -142,17 +129,10 @@ class Scheduler:
                 1 for r in self.waiting
                 if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
                 or r.num_stale_output_tokens > 0),
-            steps=c.steps,
-            num_preemptions=c.num_preemptions,
-            wasted_tokens=c.wasted_tokens,
-            num_scheduled_tokens=c.num_scheduled_tokens,
             num_grammars_compiled=grammar.num_compiled if grammar else 0,
             num_grammar_compile_errors=grammar.num_compile_errors if grammar else 0,
             num_grammar_rejected_tokens=grammar.num_rejected_tokens if grammar else 0,
-            spec_num_drafts=c.spec_num_drafts,
-            spec_num_draft_tokens=c.spec_num_draft_tokens,
-            spec_num_accepted_tokens=c.spec_num_accepted_tokens,
-            spec_num_accepted_tokens_per_pos=list(c.spec_num_accepted_tokens_per_pos),
+            **msgspec.to_builtins(self.counters),  # a copy: the snapshot shares no list with live counters
         )
 
     # ----- schedule ---------------------------------------------------------------------
@@ -170,7 +150,7 @@ class Scheduler:
         promised = request.num_output_tokens + request.num_output_placeholders
         return (
             promised >= request.max_tokens
-            or request.num_tokens + request.num_output_placeholders >= self.max_model_len
+            or request.num_tokens_with_placeholders >= self.max_model_len
         )
 
     def _clamp_spec_tokens(self, request: Request) -> None:
@@ -178,7 +158,7 @@ class Scheduler:
         every draft of this step is accepted (plus the one token the step samples)."""
         if request.num_spec_tokens == 0:
             return
-        ahead = request.num_tokens + request.num_output_placeholders
+        ahead = request.num_tokens_with_placeholders
         room = min(request.max_tokens - request.num_output_tokens
                    - request.num_output_placeholders, self.max_model_len - ahead) - 1
         request.num_spec_tokens = max(0, min(request.num_spec_tokens, room))
@@ -219,11 +199,8 @@ class Scheduler:
                 req_index += 1
                 continue
             self._clamp_spec_tokens(request)
-            n = (
-                request.num_tokens_with_spec
-                + request.num_output_placeholders
-                - request.num_computed_tokens
-            )
+            n = (request.num_tokens_with_placeholders + request.num_spec_tokens
+                 - request.num_computed_tokens)
             n = min(n, token_budget, self.max_model_len - request.num_computed_tokens)
             if n <= 0:
                 req_index += 1
@@ -390,9 +367,8 @@ class Scheduler:
             request.num_in_flight_tokens += n
             request.last_sched_seq = self.sched_step_seq
             # A step that stops short of the known end (plus promised tokens) samples nothing.
-            request.is_prefill_chunk = request.num_computed_tokens < (
-                request.num_tokens + request.num_output_placeholders
-            )
+            request.is_prefill_chunk = (
+                request.num_computed_tokens < request.num_tokens_with_placeholders)
 
     # ----- preemption and freeing ---------------------------------------------------------
     def _preempt_request(self, request: Request) -> None:

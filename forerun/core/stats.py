@@ -6,12 +6,52 @@ They are msgspec Structs because the whole crosses the process boundary (the API
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from typing import Annotated, Any
 
 import msgspec
 
 
-class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
+def _counter(metric: str | None, doc: str) -> msgspec.Meta:
+    """A counter's Prometheus name (``forerun:<metric>``; None: not exported) and help."""
+    return msgspec.Meta(description=doc, extra={"metric": metric})
+
+
+class SchedulerCounters(msgspec.Struct, kw_only=True):
+    """The scheduler's counters since start, kept live by it; :class:`SchedulerStats` is
+    their snapshot (plus the queues), and ``/metrics`` exports each that names a metric."""
+
+    steps: Annotated[int, _counter(None, "Non-empty steps scheduled.")] = 0
+    num_preemptions: Annotated[int, _counter(
+        "num_preemptions", "Requests preempted for lack of KV blocks.")] = 0
+    wasted_tokens: Annotated[int, _counter(
+        "wasted_tokens", "Tokens computed and then thrown away.")] = 0
+    num_scheduled_tokens: Annotated[int, _counter(None, "Tokens scheduled.")] = 0
+    # Speculative decoding: request-steps that verified drafts, drafts verified, drafts
+    # accepted (in total and at each draft position).
+    spec_num_drafts: Annotated[int, _counter(
+        "spec_decode_num_drafts", "Request-steps that verified drafts.")] = 0
+    spec_num_draft_tokens: Annotated[int, _counter(
+        "spec_decode_num_draft_tokens", "Draft tokens verified.")] = 0
+    spec_num_accepted_tokens: Annotated[int, _counter(
+        "spec_decode_num_accepted_tokens", "Draft tokens accepted.")] = 0
+    spec_num_accepted_tokens_per_pos: Annotated[list[int], _counter(
+        "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft.")] = msgspec.field(
+            default_factory=list)
+
+
+def counter_metrics() -> list[tuple[str, str, str]]:
+    """(field, metric name, help) of every :class:`SchedulerCounters` field with a metric."""
+    out = []
+    for name, hint in typing.get_type_hints(SchedulerCounters, include_extras=True).items():
+        meta = hint.__metadata__[0]
+        if meta.extra["metric"] is not None:
+            out.append((name, meta.extra["metric"], meta.description))
+    return out
+
+
+class SchedulerStats(SchedulerCounters, frozen=True, kw_only=True):
     """``Scheduler.make_stats()``: its queues now and its counters since start."""
 
     num_running_reqs: int
@@ -20,22 +60,10 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     # reason): a grammar still compiling, or stale output of a preemption in flight. The
     # rest wait for capacity (KV blocks, the token budget, max_num_seqs).
     num_waiting_reqs_deferred: int = 0
-    # Non-empty steps scheduled.
-    steps: int
-    num_preemptions: int
-    # Tokens computed for requests that had finished or been aborted meanwhile.
-    wasted_tokens: int
-    num_scheduled_tokens: int
     # Grammar (structured output) counters; zero on an engine without a grammar backend.
     num_grammars_compiled: int = 0
     num_grammar_compile_errors: int = 0
     num_grammar_rejected_tokens: int = 0
-    # Speculative decoding since start: request-steps that verified drafts, drafts
-    # verified, drafts accepted (in total and at each draft position).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from forerun.core.stats import EngineStats
+from forerun.core.stats import EngineStats, counter_metrics
 from forerun.outputs import RequestOutput
 from forerun.sampling_params import SamplingParams
 
@@ -123,22 +123,15 @@ class _EngineStatsCollector(Collector):
                       kv.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Tokens found in the prefix cache.",
                       kv.prefix_cache_hits)
-        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.",
-                      sched.num_preemptions)
-        yield counter("wasted_tokens", "Tokens computed and then thrown away.",
-                      sched.wasted_tokens)
-        yield counter("spec_decode_num_drafts", "Request-steps that verified drafts.",
-                      sched.spec_num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
-                      sched.spec_num_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                      sched.spec_num_accepted_tokens)
-        per_pos = CounterMetricFamily("spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted, by position in the draft.",
-                                      labels=[*LABELS, "position"])
-        for pos, n in enumerate(sched.spec_num_accepted_tokens_per_pos):
-            per_pos.add_metric([*labels, str(pos)], n)
-        yield per_pos
+        for field_name, metric, doc in counter_metrics():
+            value = getattr(sched, field_name)
+            if not isinstance(value, list):
+                yield counter(metric, doc, value)
+                continue
+            per_pos = CounterMetricFamily(metric, doc, labels=[*LABELS, "position"])
+            for pos, n in enumerate(value):  # one sample per draft position
+                per_pos.add_metric([*labels, str(pos)], n)
+            yield per_pos
         # vLLM's info gauge: constant 1, the KV cache's configuration in its labels.
         info = {**self.cache_info, "num_gpu_blocks": str(kv.num_blocks), "engine": labels[1]}
         names = sorted(info)
