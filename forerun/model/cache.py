@@ -46,7 +46,9 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = envs.CACHE_DIR
 _DISABLED = frozenset({"", "off", "0", "none", "false", "no"})
 # Bump when the layout or the meaning of a stored part changes: old entries are then ignored.
-CACHE_VERSION = 1
+# 2: a GGUF config lists the Llama 3 stop tokens (a Llama 3.0 file cached under 1 lacks them)
+# and carries rope_freqs.weight as rope_scaling["freq_factors"].
+CACHE_VERSION = 2
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +48,29 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                 f"unsupported rope scaling type {rope_type!r}; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        if rope_type == "default":
+        if rope_type == "default" and scaling.get("freq_factors") is None:
             scaling = None
         else:
             scaling["rope_type"] = rope_type
     return float(theta), scaling
+
+
+def _check_freq_factors(scaling: dict[str, Any] | None, head_dim: int) -> None:
+    """``freq_factors`` (from a GGUF's ``rope_freqs.weight``) must hold one positive finite
+    divisor per rotation pair; anything else would rotate silently wrong."""
+    factors = (scaling or {}).get("freq_factors")
+    if factors is None:
+        return
+    try:
+        values = [float(v) for v in factors]
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"rope freq_factors must be a list of numbers: {exc}") from exc
+    if len(values) != head_dim // 2:
+        raise ModelLoadError(
+            f"rope freq_factors has {len(values)} entries; head_dim {head_dim} needs "
+            f"{head_dim // 2}")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ModelLoadError("rope freq_factors must be positive and finite")
 
 
 @dataclass(slots=True)
@@ -73,6 +92,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # HF ``rope_scaling``; from a GGUF it may also carry ``freq_factors`` (rotary.py).
     rope_scaling: dict[str, Any] | None = None
     torch_dtype: str | None = None
 
@@ -101,7 +121,9 @@ class ModelConfig:
             raise ModelLoadError(f"{arch} with use_sliding_window=true is not supported")
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
+        head_dim = int(d.get("head_dim") or hidden // heads)
         theta, scaling = _rope_settings(d)
+        _check_freq_factors(scaling, head_dim)
         # Qwen2 always has q/k/v biases; its config does not say so.
         attention_bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias"))
         eos = _as_id_list((generation_config or {}).get("eos_token_id"))
@@ -114,7 +136,7 @@ class ModelConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab_size=int(d["vocab_size"]),
             max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
             rope_theta=theta,

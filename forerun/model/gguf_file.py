@@ -47,6 +47,17 @@ _BLOCK_NAMES: dict[str, str] = {
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
+# Tensors that are hyper-parameters rather than weights: gguf_hf_config reads them.
+_ROPE_FREQS = "rope_freqs.weight"
+_CONFIG_TENSORS = frozenset({_ROPE_FREQS})
+
+# The Llama 3 family's end-of-generation tokens. Its GGUFs name one of them as eos (and
+# rarely an eot or eom id) while the Hugging Face folder's generation_config stops on all
+# three and llama.cpp recognises them by their text; matching the text (control tokens only)
+# gives a GGUF the same stops.
+_LLAMA3_STOP_TEXTS = frozenset({"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"})
+_CONTROL_TOKEN = 3  # llama.cpp's token type of special tokens
+
 
 # Parsed readers by (resolved path, size, mtime): the config, the weights and the chat
 # template all come from one parse per process. A reader only holds a memory map, so
@@ -96,15 +107,50 @@ def _architecture(reader: GGUFReader) -> tuple[str, str]:
     return arch, hf_arch
 
 
+def _rope_freq_factors(reader: GGUFReader) -> list[float] | None:
+    """The per-pair rope frequency divisors of ``rope_freqs.weight``, if the file has them.
+
+    llama.cpp's converter writes this tensor for Llama 3.1/3.2 (``rope_type: llama3``)
+    instead of the scaling parameters, and llama.cpp divides each pair's angle by it. Using
+    the numbers themselves is exact for any file, whatever parameters produced them.
+    """
+    t = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if t is None:
+        return None
+    try:
+        arr = dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float32)
+    except Exception as exc:
+        raise ModelLoadError(f"could not read tensor {_ROPE_FREQS}: {exc}") from exc
+    # float32 -> Python float is exact, and so is the JSON round trip of the config cache.
+    return [float(v) for v in arr]
+
+
+def _stop_token_ids(reader: GGUFReader) -> list[int]:
+    """eos, then end-of-turn / end-of-message and the Llama 3 stop tokens, without repeats."""
+    ids = [
+        int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"),
+                         _field(reader, "tokenizer.ggml.eot_token_id"),
+                         _field(reader, "tokenizer.ggml.eom_token_id")) if v is not None
+    ]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is not None and types is not None and len(types.data) == len(tokens.data):
+        kinds = np.array(types.contents())
+        # Only control tokens are decoded: a few hundred strings, not the whole vocabulary.
+        for i in np.flatnonzero(kinds == _CONTROL_TOKEN):
+            text = bytes(tokens.parts[tokens.data[int(i)]]).decode("utf-8", errors="replace")
+            if text in _LLAMA3_STOP_TEXTS:
+                ids.append(int(i))
+    return list(dict.fromkeys(ids))
+
+
 def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
-    """Translate GGUF metadata into a ``config.json``-shaped dict for ``ModelConfig``."""
+    """Translate GGUF metadata into a ``config.json``-shaped dict for ``ModelConfig``.
+
+    A ``rope_freqs.weight`` tensor becomes ``rope_scaling["freq_factors"]`` (rotary.py).
+    """
     arch, hf_arch = _architecture(reader)
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ModelLoadError(
-            "GGUF rope frequency factors (rope_freqs.weight, llama3 rope scaling) are not "
-            "supported; load the Hugging Face folder of this model instead"
-        )
 
     def key(name: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{name}", default)
@@ -117,11 +163,11 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     rope_scaling = None
     if scaling_type not in (None, "none"):
         rope_scaling = {"rope_type": scaling_type, "factor": key("rope.scaling.factor")}
-    # Chat models stop on end-of-turn as well as end-of-text; keep both when they differ.
-    eos = [
-        int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"),
-                         _field(reader, "tokenizer.ggml.eot_token_id")) if v is not None
-    ]
+    factors = _rope_freq_factors(reader)
+    if factors is not None:
+        # With no scaling type in the metadata the factors are the llama3 rescaling itself;
+        # with one (linear), llama.cpp applies both, and so does rotary.py.
+        rope_scaling = {**(rope_scaling or {"rope_type": "llama3"}), "freq_factors": factors}
     return {
         "architectures": [hf_arch],
         "hidden_size": hidden,
@@ -136,7 +182,8 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "eos_token_id": list(dict.fromkeys(eos)),
+        # Chat models stop on end-of-turn as well as end-of-text.
+        "eos_token_id": _stop_token_ids(reader),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "rope_scaling": rope_scaling,
     }
@@ -205,6 +252,8 @@ def gguf_weights(reader: GGUFReader, path: Path, skip: frozenset[str] = frozense
     arch, _ = _architecture(reader)
     heads, kv_heads = _head_counts(reader, arch)
     for t in reader.tensors:
+        if t.name in _CONFIG_TENSORS:
+            continue
         name = _hf_name(t.name)
         if name is None:
             logger.warning("ignoring unknown GGUF tensor %s", t.name)

@@ -29,13 +29,26 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 def compute_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
-    """Inverse frequencies (float32, CPU) for ``head_dim // 2`` rotation pairs."""
+    """Inverse frequencies (float32, CPU) for ``head_dim // 2`` rotation pairs.
+
+    ``scaling`` is a Hugging Face ``rope_scaling`` dict, optionally with ``freq_factors``:
+    ``head_dim // 2`` numbers that divide the inverse frequencies (what a GGUF stores).
+    """
     # Explicit CPU device: models are constructed under ``torch.device("meta")``.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     rope_type = scaling.get("rope_type", "default")
+    factors = scaling.get("freq_factors")
+    if factors is not None:
+        # Per-pair divisors shipped with the weights (a GGUF's ``rope_freqs.weight``).
+        # llama.cpp divides each pair's angle by its factor, on top of any linear scale;
+        # for llama3 scaling the factors are that whole rescaling, already computed, so they
+        # are used as they are rather than recomputed from parameters the file lacks.
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
+        if rope_type in ("default", "llama3"):
+            return inv_freq
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
