@@ -1,0 +1,78 @@
+"""forerun as a wheel, installed as a user would (``pip install forerun-*.whl``, not ``-e``).
+
+The wheel is built from this checkout and installed into a fresh virtual environment
+(which sees this interpreter's packages, so that torch and the rest are not installed
+again). Run from an empty folder with an empty kernel cache, the installed copy must compile
+every C kernel file from the sources the wheel ships, and print the same greedy text as the
+checkout does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATE = ["generate", "The capital of France is", "--max-tokens", "10", "--dtype", "float32",
+            "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512"]
+# Prints where forerun was imported from, whether the kernel library built, and the names
+# of the kernel files it compiled (from the installed package's csrc/).
+PROBE = """
+import forerun, logging
+from forerun.model import cpu_kernels
+lib = cpu_kernels.kernel_library()
+print(forerun.__file__)
+print("kernels", lib is not None)
+print(" ".join(sorted(p.name for p in cpu_kernels._SOURCES)))
+"""
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (cmd, out.stdout[-2000:], out.stderr[-4000:])
+    return out
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """(the venv's python, an environment with an empty forerun cache) with the wheel in."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    env = {**os.environ, "FORERUN_CACHE_DIR": str(tmp / "cache"), "PYTHONNOUSERSITE": "1"}
+    env.pop("PYTHONPATH", None)
+    # No build isolation: setuptools is already here, and CI needs no download for it.
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+          "-w", str(tmp / "dist"), str(ROOT)], tmp, env)
+    [wheel] = (tmp / "dist").glob("forerun-*.whl")
+    venv.create(tmp / "venv", system_site_packages=True, with_pip=False)
+    python = tmp / "venv" / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+          str(wheel)], tmp, env)
+    return python, env
+
+
+def test_the_wheel_compiles_every_kernel_file_it_ships(
+        installed: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    python, env = installed
+    out = _run([str(python), "-c", PROBE], tmp_path, env).stdout.splitlines()
+    site = Path(out[0]).resolve()
+    assert ROOT not in site.parents, f"imported the checkout, not the wheel: {site}"
+    assert out[1] == "kernels True", out
+    shipped = sorted(p.name for p in (ROOT / "forerun" / "model" / "csrc").glob("*.c"))
+    assert out[2].split() == shipped
+    compiled = list(Path(env["FORERUN_CACHE_DIR"]).rglob("*.so"))
+    assert compiled, "no kernel library was compiled into the empty cache"
+
+
+@pytest.mark.slow
+def test_the_wheel_generates_the_same_text_as_the_checkout(
+        installed: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    python, env = installed
+    wheel = _run([str(python), "-m", "forerun.cli", *GENERATE], tmp_path, env)
+    checkout = _run([sys.executable, "-m", "forerun.cli", *GENERATE], ROOT,
+                    {**os.environ})
+    assert wheel.stdout.strip() and wheel.stdout == checkout.stdout
