@@ -12,6 +12,7 @@ them per call).
 | ``FORERUN_SMALL_BATCH_TOKENS`` | ``128`` in bfloat16 with AMX, else ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
 | ``FORERUN_HUGE_PAGES`` | ``1`` | ``0``: the small-batch path's packed weights are not advised for transparent huge pages |
 | ``FORERUN_COLLECTIVE_TIMEOUT_S`` | ``60`` | a TP/PP rank that does not answer a collective or a send within this many seconds fails the step (a hung rank becomes an error) |
+| ``FORERUN_RANK_FAULT`` | unset | tests only: ``RANK:load`` makes that tensor/pipeline-parallel rank raise while it loads its weights (a start-up fault) |
 """
 
 from __future__ import annotations
@@ -114,3 +115,19 @@ def collective_timeout_s() -> float:
         raise ValueError(f"FORERUN_COLLECTIVE_TIMEOUT_S must be a positive number of seconds, "
                          f"got {value!r}")
     return timeout
+
+
+RANK_FAULT_STAGES = ("load",)
+
+
+def rank_fault() -> tuple[int, str] | None:
+    """``FORERUN_RANK_FAULT`` (``RANK:STAGE``): the start-up fault a test injects into one
+    rank, or None when unset."""
+    value = os.environ.get("FORERUN_RANK_FAULT")
+    if not value:
+        return None
+    rank, _, stage = value.partition(":")
+    if not rank.isdigit() or stage not in RANK_FAULT_STAGES:
+        raise ValueError(f"FORERUN_RANK_FAULT must be RANK:STAGE with STAGE one of "
+                         f"{', '.join(RANK_FAULT_STAGES)}; got {value!r}")
+    return int(rank), stage

@@ -11,7 +11,7 @@ import logging
 from forerun.config import EngineConfig
 from forerun.model.info import num_kv_blocks, resolve_model_info
 from forerun.spec_decode.config import SpeculativeConfig
-from forerun.worker.multiproc_executor import spawn_ranks
+from forerun.worker.multiproc_executor import RankStartupError, spawn_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,16 @@ def run_worker_node(config: EngineConfig) -> int:
     logger.info("worker node %d of %d: ranks %d..%d, rendezvous %s:%d", config.node_rank,
                 config.nnodes, first, first + local - 1, addr, port)
     try:
-        for p in procs:
-            p.join()
+        # A rank that dies or raises while starting ends the node at once (and the others
+        # with it), rather than leaving them at the rendezvous for its whole timeout.
+        try:
+            procs.wait_ready()
+        except RankStartupError as exc:
+            logger.error("worker node %d: %s", config.node_rank, exc)
+            procs.kill()
+            return 1
+        procs.join()
     except KeyboardInterrupt:
-        for p in procs:
-            p.kill()
+        procs.kill()
         return 130
-    return int(any(p.exitcode for p in procs))
+    return int(any(p.exitcode for p in procs.procs))

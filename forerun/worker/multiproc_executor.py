@@ -11,18 +11,50 @@ output to the first, and the broadcast runs on a thread of its own so that the f
 never waits for a later one to take the next step. A rank that dies makes the next
 collective fail within the collective timeout, which fails the step and stops the engine;
 ranks exit when their parent goes.
+
+Start-up. Ranks are started with multiprocessing's "spawn" method: a fresh interpreter, not
+a fork of a process that already runs the engine's threads, an OpenMP pool and perhaps a
+CUDA context (a forked child inherits their locks in whatever state they were, and CUDA
+cannot be used in it at all; vLLM switches to spawn for the same reason). Spawn normally
+re-runs the parent's ``__main__`` in each child (from its file, or as its module), which
+breaks a script read from stdin (the child looks for a file named ``<stdin>`` and dies at
+once) and re-runs the top level of a script without an ``if __name__ == "__main__"``
+guard. A rank needs nothing from ``__main__``: its function and arguments all come from
+forerun. So the parent hides its ``__main__`` while a rank starts (:func:`_main_hidden`),
+and the child imports only forerun: ranks start the same way from a file, ``python -``,
+``python -c`` or a notebook. (vLLM instead refuses ``python -`` with a message; working is
+better. A bootstrap of our own, ``python -m`` with the arguments over a pipe, would do the
+same but re-implement what spawn already does: passing the authkey, the fds, the sentinel.)
+
+Every rank process has a pipe back to the parent on which it reports its start-up stage,
+its exception with the traceback, or that it is ready; the parent waits for that and for
+rank 0 at once (:meth:`RankProcesses.wait_ready`), watching the processes too, so a rank
+that dies or raises before or during the rendezvous or while loading its weights becomes,
+within a fraction of a second, an error that names the rank, its pid, its exit code, the
+stage and the cause. Then the other ranks are killed and reaped, and rank 0's wait at the
+rendezvous is ended (:func:`forerun.distributed.parallel_state.init_model_parallel`'s
+``abort``) rather than left for the rendezvous timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
+import traceback
+import types
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -32,6 +64,7 @@ from forerun import envs
 from forerun.config import EngineConfig
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
 from forerun.distributed.parallel_state import (
+    RendezvousAborted,
     destroy_model_parallel,
     free_port,
     init_model_parallel,
@@ -54,17 +87,26 @@ _PING = "ping"
 
 
 def _build_runner(config: EngineConfig, info: Any, num_blocks: int, rank: int, addr: str,
-                  port: int, tracer: Tracer | None, spec_config: SpeculativeConfig | None
+                  port: int, tracer: Tracer | None, spec_config: SpeculativeConfig | None,
+                  report: Callable[[str], None] = lambda stage: None,
+                  abort: threading.Event | None = None,
                   ) -> tuple[ModelRunner, dist.ProcessGroup | None]:
     """Join the engine's ranks, load this rank's share of the model, build its runner;
-    returns it and the group the engine's calls arrive on."""
+    returns it and the group the engine's calls arrive on. ``report`` hears each stage as it
+    begins; ``abort`` (rank 0) ends the wait at the rendezvous."""
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
     mc = info.model_config
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    tp_group, pp_group = init_model_parallel(rank, tp, pp, addr, port, device)
+    report("rendezvous")
+    tp_group, pp_group = init_model_parallel(rank, tp, pp, addr, port, device, abort)
+    report("loading weights")
     stage = stage_layers(mc.num_hidden_layers, pp, pp_group.stage) if pp > 1 else None
+    if envs.rank_fault() == (rank, "load"):
+        raise RuntimeError(f"rank {rank}: injected fault while loading its weights "
+                           "(FORERUN_RANK_FAULT)")
     model = load_model(info.source, mc, dtype, device, config.quantization, tp_group, stage)
+    report("building the runner")
     pipeline = PipelineComm(pp_group, mc.hidden_size, dtype, device) if pp > 1 else None
     runner = ModelRunner(model, num_blocks, config.block_size, mc.num_key_value_heads // tp,
                        mc.head_dim,
@@ -96,20 +138,43 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+# What a rank process reports on its pipe during start-up: (kind, text).
+_STAGE, _READY, _FAILED = "stage", "ready", "failed"
+
+
+def _report(conn: Connection, kind: str, text: str = "") -> None:
+    try:
+        conn.send((kind, text))
+    except OSError:  # the parent is gone or stopped listening; _watch_parent ends us
+        pass
+
+
 def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int,
                addr: str, port: int, parent_pid: int,
-               spec_config: SpeculativeConfig | None, cpu_share: tuple[int, int]) -> None:
-    """A rank other than 0: join the group, load its shard, then run what rank 0 sends."""
+               spec_config: SpeculativeConfig | None, cpu_share: tuple[int, int],
+               conn: Connection) -> None:
+    """A rank other than 0: join the group, load its shard, then run what rank 0 sends.
+
+    Start-up is reported on ``conn`` (each stage, then ready or the exception)."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [rank-{rank}] %(name)s: "
                                "%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    take_cpu_share(*cpu_share)
-    torch.manual_seed(config.seed)  # the same unseeded keys as rank 0
-    runner, group = _build_runner(config, info, num_blocks, rank, addr, port, None,
-                                  spec_config)
+    try:
+        take_cpu_share(*cpu_share)
+        torch.manual_seed(config.seed)  # the same unseeded keys as rank 0
+        runner, group = _build_runner(config, info, num_blocks, rank, addr, port, None,
+                                      spec_config, lambda stage: _report(conn, _STAGE, stage))
+    except BaseException:
+        # The parent puts the traceback in its error; exiting with 1 (not re-raising) so
+        # that it is not printed twice.
+        _report(conn, _FAILED, traceback.format_exc())
+        conn.close()
+        sys.exit(1)
+    _report(conn, _READY)
+    conn.close()
     try:
         while True:
             method, args = _recv_call(group)
@@ -125,18 +190,176 @@ def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int,
         destroy_model_parallel()
 
 
+class RankStartupError(RuntimeError):
+    """A rank process died or raised before it was ready (the message says which, how and
+    where)."""
+
+
+# Serialises the swaps of sys.modules["__main__"] (engines may start from several threads).
+_main_lock = threading.Lock()
+
+
+@contextmanager
+def _main_hidden() -> Iterator[None]:
+    """While a rank process starts, ``__main__`` is a bare module: multiprocessing's spawn
+    then tells the child not to re-run the parent's main script or module (see the module
+    docstring). Held only for ``Process.start`` (pickling the arguments, starting the
+    interpreter), a few milliseconds."""
+    with _main_lock:
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            if main is not None:
+                sys.modules["__main__"] = main
+            else:
+                del sys.modules["__main__"]
+
+
+@dataclass(slots=True)
+class _Rank:
+    rank: int
+    proc: BaseProcess
+    conn: Connection | None  # the parent's end of the report pipe; None once closed
+    stage: str = "starting"
+    ready: bool = False
+    error: str | None = None  # the traceback the rank reported
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"exited with code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
+
+
+class RankProcesses:
+    """This node's rank processes (children of this process) and what they report while
+    they start."""
+
+    def __init__(self, ranks: list[_Rank]) -> None:
+        self._ranks = ranks
+
+    @property
+    def procs(self) -> list[BaseProcess]:
+        return [r.proc for r in self._ranks]
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [r.proc.pid for r in self._ranks]
+
+    def wait_ready(self, rank0: Future[Any] | None = None, poll_s: float = 0.1) -> None:
+        """Block until every rank process is ready (and ``rank0``, this process's own rank,
+        has finished starting). A rank process that dies or raises first raises
+        :class:`RankStartupError`; a failed ``rank0`` raises its own exception unless a
+        rank process failed too (then that is the cause, chained to rank 0's error). Kills
+        no process: the caller does (:meth:`kill`)."""
+        while True:
+            self._poll()
+            self._raise_first_fault()
+            if rank0 is not None and rank0.done() and rank0.exception() is not None:
+                # Rank 0's error may only be the echo of a rank that died (a collective it
+                # was in failed): give the reports a moment to arrive, and prefer them.
+                multiprocessing.connection.wait(self._waitables(), timeout=1.0)
+                self._poll()
+                try:
+                    self._raise_first_fault()
+                except RankStartupError as exc:
+                    raise exc from rank0.exception()
+                rank0.result()
+            if all(r.ready for r in self._ranks) and (rank0 is None or rank0.done()):
+                return
+            multiprocessing.connection.wait(self._waitables(), timeout=poll_s)
+
+    def _waitables(self) -> list[Any]:
+        return [r.conn for r in self._ranks if r.conn is not None] + [
+            r.proc.sentinel for r in self._ranks if r.proc.exitcode is None]
+
+    def _poll(self) -> None:
+        for r in self._ranks:
+            if r.conn is None:
+                continue
+            try:
+                while r.conn.poll():
+                    kind, text = r.conn.recv()
+                    if kind == _STAGE:
+                        r.stage = text
+                    elif kind == _READY:
+                        r.ready = True
+                    elif kind == _FAILED:
+                        r.error = text
+            except (EOFError, OSError):  # the rank closed its end (ready, failed or dead)
+                r.conn.close()
+                r.conn = None
+
+    def _raise_first_fault(self) -> None:
+        for r in self._ranks:
+            if r.error is not None:
+                r.proc.join(5)  # it exits right after reporting; its code is in the message
+                cause = r.error.rstrip().splitlines()[-1]
+                raise RankStartupError(
+                    f"rank {r.rank} (pid {r.proc.pid}) {_exit_text(r.proc.exitcode)} during "
+                    f"start-up ({r.stage}): {cause}\n--- rank {r.rank}'s traceback ---\n"
+                    f"{r.error.rstrip()}")
+        for r in self._ranks:
+            # A rank that reported its exception is handled above; this one died (a signal,
+            # os._exit, a failure before its own code ran: its stderr has that one). A rank
+            # that was ready and then died is more likely an echo of another's failure; if
+            # not, the engine's first step finds it.
+            if r.proc.exitcode is not None and not r.ready:
+                raise RankStartupError(
+                    f"rank {r.rank} (pid {r.proc.pid}) {_exit_text(r.proc.exitcode)} during "
+                    f"start-up ({r.stage}): it reported no exception"
+                    + ("" if r.stage != "starting" else
+                       " (it died before it began the rendezvous: its own output above "
+                       "has the cause)"))
+
+    def kill(self, grace_s: float = 0.0) -> None:
+        """Wait up to ``grace_s`` for each rank to exit, kill what is left, reap them all."""
+        deadline = time.monotonic() + grace_s
+        for r in self._ranks:
+            r.proc.join(max(0.0, deadline - time.monotonic()))
+        for r in self._ranks:
+            if r.proc.is_alive():
+                r.proc.kill()
+        for r in self._ranks:
+            r.proc.join(5)
+            if r.conn is not None:
+                r.conn.close()
+                r.conn = None
+
+    def join(self) -> None:
+        for r in self._ranks:
+            r.proc.join()
+
+
 def spawn_ranks(config: EngineConfig, info: Any, num_blocks: int, ranks: range,
                 addr: str, port: int, spec_config: SpeculativeConfig | None,
-                share_indices: list[int], num_shares: int) -> list[Any]:
-    """Start one process per rank in ``ranks`` (children of this process)."""
+                share_indices: list[int], num_shares: int) -> RankProcesses:
+    """Start one process per rank in ``ranks`` (children of this process); they report
+    their start-up to :meth:`RankProcesses.wait_ready`."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, name=f"forerun-rank-{r}", daemon=True,
-                         args=(config, info, num_blocks, r, addr, port, os.getpid(),
-                               spec_config, (share, num_shares)))
-             for r, share in zip(ranks, share_indices, strict=True)]
-    for p in procs:
-        p.start()
-    return procs
+    started: list[_Rank] = []
+    try:
+        for r, share in zip(ranks, share_indices, strict=True):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, name=f"forerun-rank-{r}", daemon=True,
+                               args=(config, info, num_blocks, r, addr, port, os.getpid(),
+                                     spec_config, (share, num_shares), child_end))
+            with _main_hidden():
+                proc.start()
+            # Only the child holds its end now: its death closes the pipe.
+            child_end.close()
+            started.append(_Rank(r, proc, parent_end))
+    except BaseException:
+        RankProcesses(started).kill()
+        raise
+    return RankProcesses(started)
 
 
 class MultiprocExecutor:
@@ -155,22 +378,46 @@ class MultiprocExecutor:
         # This node's ranks: 0 here, 1 .. local - 1 as processes; other nodes run the rest.
         local = size // config.nnodes
         shares = config.data_parallel_size * local
+        # Set when a rank process fails at start-up: rank 0 stops waiting at the rendezvous.
+        abort = threading.Event()
         self._procs = spawn_ranks(config, info, num_blocks, range(1, local), addr, port,
                                   spec_config, [config.data_parallel_rank * local + r
                                                 for r in range(1, local)], shares)
 
         def init_rank0() -> tuple[ModelRunner, dist.ProcessGroup | None]:
             # The worker thread runs every collective of this process. It is shared by every
-            # engine in the process: its CPUs and thread count go back at shutdown.
+            # engine in the process: its CPUs and thread count go back at shutdown, or here
+            # if the start fails.
             self._saved_cpus = os.sched_getaffinity(0)
             self._saved_threads = torch.get_num_threads()
             take_cpu_share(config.data_parallel_rank * local, shares)
-            return _build_runner(config, info, num_blocks, 0, addr, port, tracer, spec_config)
+            try:
+                built = _build_runner(config, info, num_blocks, 0, addr, port, tracer,
+                                      spec_config, abort=abort)
+                if abort.is_set():  # a rank process failed while this one loaded
+                    _close_rank0(built[0])
+                    raise RendezvousAborted("rank 0: start-up ended (another rank failed)")
+                return built
+            except BaseException:
+                self._restore_worker_thread()
+                raise
 
+        rank0 = self._pool.submit(init_rank0)
         try:
-            self.runner, self._control = self._pool.submit(init_rank0).result()
+            self._procs.wait_ready(rank0)
+            self.runner, self._control = rank0.result()
         except BaseException:
-            self._kill_ranks()
+            abort.set()
+            self._procs.kill()
+            # Rank 0 ends within moments now (at the rendezvous, or after its load); it is
+            # only waited for briefly, so that a rank 0 stuck building the groups with a
+            # dead peer (the collective timeout) does not hold this error back.
+            try:
+                built = rank0.result(timeout=10)
+            except BaseException:  # its own failure, or the abort: the error raised is ours
+                pass
+            else:  # it finished before the abort: take it down on its thread
+                self._pool.submit(self._discard_rank0, built[0]).result(timeout=30)
             raise
         # With pipeline stages the calls go out from a thread of their own, in order.
         self._sender = (ThreadPoolExecutor(1, thread_name_prefix="forerun-pp-control")
@@ -183,7 +430,17 @@ class MultiprocExecutor:
                          daemon=True).start()
         logger.info("%d ranks (tensor parallel %d, pipeline parallel %d; pids %s)", size,
                     config.tensor_parallel_size, config.pipeline_parallel_size,
-                    [os.getpid(), *(p.pid for p in self._procs)])
+                    [os.getpid(), *self._procs.pids])
+
+    def _restore_worker_thread(self) -> None:
+        """On the worker thread: leave no group, and give back its CPUs and threads."""
+        destroy_model_parallel()
+        os.sched_setaffinity(0, self._saved_cpus)
+        torch.set_num_threads(self._saved_threads)
+
+    def _discard_rank0(self, runner: ModelRunner) -> None:
+        _close_rank0(runner)
+        self._restore_worker_thread()
 
     def _keep_alive(self) -> None:
         while not self._closed:
@@ -230,7 +487,7 @@ class MultiprocExecutor:
         def stop() -> None:
             try:
                 # Ranks on other nodes are not ours to watch; a dead one fails this too.
-                if all(p.is_alive() for p in self._procs):
+                if all(p.is_alive() for p in self._procs.procs):
                     self._broadcast(_SHUTDOWN, ())
                     if self._sent is not None:
                         self._sent.result(timeout=30)
@@ -239,9 +496,7 @@ class MultiprocExecutor:
                     self.runner.pipeline.close()
                 if self._sender is not None:
                     self._sender.shutdown(wait=False, cancel_futures=True)
-                destroy_model_parallel()
-                os.sched_setaffinity(0, self._saved_cpus)
-                torch.set_num_threads(self._saved_threads)
+                self._restore_worker_thread()
         grace_s = 10.0
         try:
             self._pool.submit(stop).result(timeout=30)
@@ -253,8 +508,9 @@ class MultiprocExecutor:
         self._threads_guard.restore()
 
     def _kill_ranks(self, grace_s: float = 10.0) -> None:
-        for p in self._procs:
-            p.join(grace_s)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        self._procs.kill(grace_s)
+
+
+def _close_rank0(runner: ModelRunner) -> None:
+    if runner.pipeline is not None:
+        runner.pipeline.close()
