@@ -33,7 +33,10 @@ that dies or raises before or during the rendezvous or while loading its weights
 within a fraction of a second, an error that names the rank, its pid, its exit code, the
 stage and the cause. Then the other ranks are killed and reaped, and rank 0's wait at the
 rendezvous is ended (:func:`forerun.distributed.parallel_state.init_model_parallel`'s
-``abort``) rather than left for the rendezvous timeout.
+``abort``) rather than left for the rendezvous timeout. (One window remains: a rank that
+dies in the moment between the last check-in and the groups being built is reported at
+once all the same, but rank 0's thread, inside torch's group construction, is free again
+only after the collective timeout.)
 """
 
 from __future__ import annotations
