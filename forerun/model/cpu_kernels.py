@@ -453,7 +453,7 @@ def bind_kquant_kernels(lib: ctypes.CDLL) -> None:
 def kquant_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,
                   lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` (float32 or bfloat16), ``W``
-    ``[n, k]`` the K-quant rows ``desc`` points to; activations quantized per 256."""
+    ``[n, k]`` the K-quant rows ``desc`` points to; activations quantized per 32."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
     k = x.shape[-1]

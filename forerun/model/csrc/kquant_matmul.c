@@ -16,14 +16,18 @@
  * A row's super-blocks are used as the file stores them: the GEMV walks a row's bytes once,
  * in order.
  *
- * Activations (Q8_K-style): each row of x is quantized per 256 to int8 with one scale
- * s = max|x| / 127 (round to nearest even), and the sum of every 16 int8 values is kept.
- * With a weight w = dl * q - ml per sub-block, a super-block contributes
- *   s * (d * sum_sub sc * dot(q, a) - dmin * sum_sub m * sum(a)):
+ * Activations: each row of x is quantized per 32 to int8 with its own scale s = max|x| / 127
+ * (round to nearest even), exactly as quant_matmul.c does for the 32-value types, and
+ * s * (the sum of every 16 int8 values) is kept. (Per 256 with one scale, llama.cpp's Q8_K,
+ * would save 7 of 8 int -> float conversions per super-block, but one outlier channel then
+ * coarsens 255 other values: SmolLM2 in Q6_K lost 1.7% of its NLL to it, 0.5% per 32; see
+ * forerun/model/quant/kquant_blocks.py.) With a weight w = d * sc * q - dmin * m per
+ * sub-block, the 32 values of activation block j contribute
+ *   s_j * d * sum_sub sc * dot(q, a)  -  sum_sub (dmin * m) * (s_j * sum(a)):
  * dot products of small unsigned integers with int8 (maddubs: 32 products per instruction,
- * pairs summed in int16), weighted by the sub-block scales in int32 (madd), so the whole
- * super-block is one integer sum and one float multiply. Signed types (Q3_K, Q6_K) are read
- * as unsigned q + offset, the offset taken back with the activation sums.
+ * pairs summed in int16), weighted by the sub-block scales in int32 (madd), one float FMA
+ * per 32 values; the mins (and the offsets of the signed types Q3_K and Q6_K, read as
+ * unsigned q + offset) come from the kept sums, 16 per super-block, once per block and row.
  *
  * Bodies by the build's -march: AVX2 (with FMA and F16C), or plain C; kquant_matmul_isa()
  * says which. A weight row is read once for up to MAXM activation rows (its unpacked
@@ -54,11 +58,11 @@ typedef struct {
     const uint8_t *data[MAXPARTS];
 } qweight_t;
 
-/* One quantized activation row: q[k], s[k/256], bsum[k/16]. */
+/* One quantized activation row: q[k], s[k/32], ss[k/16] (s times the sum of 16 q). */
 typedef struct {
     const int8_t *q;
     const float *s;
-    const int16_t *bsum;
+    const float *ss;
 } act_t;
 
 static int64_t kblock_bytes(int64_t type) {
@@ -101,20 +105,20 @@ static inline float fp16_to_f32(const uint8_t *p) {
 }
 
 /* ---- activations ------------------------------------------------------------------------ */
-static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s, int16_t *bsum) {
-    for (int64_t b = 0; b < k / QK_K; ++b) {
-        const float *xb = x + b * QK_K;
+static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s, float *ss) {
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const float *xb = x + b * 32;
         float amax = 0.f;
-        for (int j = 0; j < QK_K; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        for (int g = 0; g < QK_K / 16; ++g) {
+        for (int h = 0; h < 2; ++h) {
             int32_t sum = 0;
-            for (int j = 16 * g; j < 16 * g + 16; ++j) {
+            for (int j = 16 * h; j < 16 * h + 16; ++j) {
                 const int32_t v = (int32_t)nearbyintf(xb[j] * inv);
-                q[b * QK_K + j] = (int8_t)v;
+                q[b * 32 + j] = (int8_t)v;
                 sum += v;
             }
-            bsum[b * 16 + g] = (int16_t)sum;
+            ss[2 * b + h] = d * (float)sum;
         }
         s[b] = d;
     }
@@ -141,14 +145,6 @@ static inline void scales_q3_k(const uint8_t *p, int32_t sc[16]) {
         const int high = (p[8 + s % 4] >> (2 * (s / 4))) & 3;
         sc[s] = (low | (high << 4)) - 32;
     }
-}
-
-/* Integer scale and min sums every body shares: sum_sub m * sum(a) (and, for the signed
- * types, the offset times sum_sub sc * sum(a)). */
-static inline int32_t weighted_bsums(const int32_t w[16], const int16_t bsum[16]) {
-    int32_t t = 0;
-    for (int s = 0; s < 16; ++s) t += w[s] * bsum[s];
-    return t;
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -314,12 +310,8 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
                     float *out) {
     const int64_t bb = kblock_bytes(type);
 #if ISA == 1
-    __m256 acc[MAXM];
-    float fix[MAXM];
-    for (int64_t i = 0; i < m; ++i) {
-        acc[i] = _mm256_setzero_ps();
-        fix[i] = 0.f;
-    }
+    __m256 acc[MAXM], fix[MAXM];
+    for (int64_t i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = w + b * bb;
         int32_t sc[16], mn[16];
@@ -329,21 +321,27 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
         const int off = unpack_u(type, blk, u);
         __m256i scv[8];
         for (int j = 0; j < 8; ++j) scv[j] = scale_pair(sc[2 * j], sc[2 * j + 1]);
+        /* Per 16 values: what s * sum(a) is weighted by (the offset and the min). */
+        __m256 cw[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m256 scf =
+                _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(sc + 8 * h)));
+            const __m256 mnf =
+                _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(mn + 8 * h)));
+            cw[h] = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)off), scf,
+                                    _mm256_mul_ps(_mm256_set1_ps(dmin), mnf));
+        }
         for (int64_t i = 0; i < m; ++i) {
             const int8_t *q = a[i].q + b * QK_K;
-            const int16_t *bs = a[i].bsum + b * 16;
-            __m256i isum = dot32(u[0], q, scv[0]);
-            for (int j = 1; j < 8; ++j) isum = _mm256_add_epi32(isum, dot32(u[j], q + 32 * j,
-                                                                            scv[j]));
-            const float s = a[i].s[b];
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * s), acc[i]);
-            /* Offset and mins: integer sums over the 16 sub-blocks. */
-            const int32_t corr = off ? off * weighted_bsums(sc, bs) : 0;
-            const int32_t msum = dmin != 0.f ? weighted_bsums(mn, bs) : 0;
-            fix[i] += s * (d * (float)corr + dmin * (float)msum);
+            const float *s = a[i].s + b * 8, *ss = a[i].ss + b * 16;
+            for (int j = 0; j < 8; ++j)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(u[j], q + 32 * j, scv[j])),
+                                         _mm256_set1_ps(d * s[j]), acc[i]);
+            fix[i] = _mm256_fmadd_ps(_mm256_loadu_ps(ss), cw[0], fix[i]);
+            fix[i] = _mm256_fmadd_ps(_mm256_loadu_ps(ss + 8), cw[1], fix[i]);
         }
     }
-    for (int64_t i = 0; i < m; ++i) out[i] = hsum8(acc[i]) - fix[i];
+    for (int64_t i = 0; i < m; ++i) out[i] = hsum8(_mm256_sub_ps(acc[i], fix[i]));
 #else
     for (int64_t i = 0; i < m; ++i) out[i] = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
@@ -355,15 +353,18 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
         const int off = unpack_u(type, blk, u);
         for (int64_t i = 0; i < m; ++i) {
             const int8_t *q = a[i].q + b * QK_K;
-            const int16_t *bs = a[i].bsum + b * 16;
-            int32_t isum = 0;
-            for (int s = 0; s < 16; ++s) {
-                int32_t dot = 0;
-                for (int j = 16 * s; j < 16 * s + 16; ++j) dot += u[j] * q[j];
-                isum += sc[s] * (dot - off * bs[s]);
+            const float *s = a[i].s + b * 8, *ss = a[i].ss + b * 16;
+            for (int j = 0; j < 8; ++j) { /* activation block j: sub-blocks 2j and 2j + 1 */
+                int32_t isum = 0;
+                for (int t = 2 * j; t < 2 * j + 2; ++t) {
+                    int32_t dot = 0;
+                    for (int v = 16 * t; v < 16 * t + 16; ++v) dot += u[v] * q[v];
+                    isum += sc[t] * dot;
+                }
+                out[i] += d * s[j] * (float)isum;
             }
-            const int32_t msum = weighted_bsums(mn, bs);
-            out[i] += a[i].s[b] * (d * (float)isum - dmin * (float)msum);
+            for (int t = 0; t < 16; ++t)
+                out[i] -= (d * (float)(off * sc[t]) + dmin * (float)mn[t]) * ss[t];
         }
     }
 #endif
@@ -385,19 +386,17 @@ static int kquant_matmul_core(const float *xf, const qweight_t *w, float *y, int
     first_row[w->nparts] = total;
     if (total != n) return -2;
     const int64_t nb = k / QK_K;
-    /* One allocation: quantized rows, then scales, then the sums per 16. */
+    /* One allocation: quantized rows, then scales (per 32), then scaled sums (per 16). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    const size_t sbytes = sizeof(float) * (size_t)(m * nb);
-    char *scratch = malloc(qbytes + sbytes + sizeof(int16_t) * (size_t)(m * k / 16));
+    char *scratch = malloc(qbytes + sizeof(float) * (size_t)(m * (k / 32 + k / 16)));
     if (!scratch) return -1;
     int8_t *qa = (int8_t *)scratch;
-    float *sa = (float *)(scratch + qbytes);
-    int16_t *ba = (int16_t *)(scratch + qbytes + sbytes);
+    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * (k / 32);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; ++i)
-            quantize_row_k(xf + i * k, k, qa + i * k, sa + i * nb, ba + i * (k / 16));
+            quantize_row_k(xf + i * k, k, qa + i * k, sa + i * (k / 32), ssa + i * (k / 16));
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
 #pragma omp for schedule(static)
@@ -410,8 +409,8 @@ static int kquant_matmul_core(const float *xf, const qweight_t *w, float *y, int
                     const int64_t mi = i + MAXM <= i0 + mc ? MAXM : i0 + mc - i;
                     act_t acts[MAXM];
                     for (int64_t t = 0; t < mi; ++t)
-                        acts[t] = (act_t){qa + (i + t) * k, sa + (i + t) * nb,
-                                          ba + (i + t) * (k / 16)};
+                        acts[t] = (act_t){qa + (i + t) * k, sa + (i + t) * (k / 32),
+                                          ssa + (i + t) * (k / 16)};
                     float out[MAXM];
                     row_dot(type, row, nb, acts, mi, out);
                     for (int64_t t = 0; t < mi; ++t) y[(i + t) * n + r] = out[t];

@@ -4,7 +4,7 @@ file's own blocks: Q8_0 / Q4_0 / Q4_1, and the K-quants Q2_K / Q3_K / Q4_K / Q5_
 The blocks are copied out of the file once, as they are, and never dequantized as a whole:
 the C kernels read them for every matmul, ``csrc/quant_matmul.c`` the 32-value types with
 activations quantized per 32 (why: :mod:`forerun.model.quant.gguf_blocks`), and
-``csrc/kquant_matmul.c`` the K-quants with activations quantized per 256
+``csrc/kquant_matmul.c`` the K-quants, with activations quantized per 32 as well
 (:mod:`forerun.model.quant.kquant_blocks`). A fused projection whose parts are of both
 families runs one kernel per family and puts the outputs side by side. The single-stream
 path runs the 32-value kernel inside its one-call decoder stack

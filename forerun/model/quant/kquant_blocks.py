@@ -17,21 +17,24 @@ layouts, byte offsets within one super-block (``d``/``dmin`` fp16):
 Which bits of which byte hold value ``v`` of a super-block follows ``gguf.quants`` (the
 oracle the tests read; spelled out in :func:`unpack_kblocks` and in the C file).
 
-Activations are quantized Q8_K-style: per row and super-block of 256 to int8 with one scale
-``s = max|x| / 127`` (rounded to nearest even), and the sums of each 16 quantized values kept.
-Why per 256 and not per 32 as for Q4_0/Q8_0: a super-block's sub-block scales are small
-integers, so its whole dot product stays an integer sum (``sum_s sc_s * dot_s``) that the C
-kernel accumulates in int32 and converts to float once per 256 values instead of once per 32;
-the mins need only the activation sums per 16, which are kept. That is what llama.cpp does for
-these types, and the added error is that of an 8-bit rounding of each 256-value block
-(measured end to end in tests/test_quant_e2e.py). :func:`kquant_matmul_torch` computes the
-same function with torch operations: the fallback where the C kernel is unavailable, and the
-reference it is tested against.
+Activations are quantized as for the 32-value types (:mod:`.gguf_blocks`): per row and
+block of 32 to int8 with the scale ``s = max|x| / 127`` (rounded to nearest even). llama.cpp
+quantizes them per 256 for these types (Q8_K: one scale per super-block, so the kernel turns
+a super-block's integer sum into float once instead of 8 times), and that is what this began
+with; but one outlier channel then coarsens the other 255 values of its block, and on SmolLM2
+(widened to whole super-blocks, tests/test_quant_e2e.py) in Q6_K the teacher-forced NLL moved
+1.7% from the exact engine's per 256, 0.5% per 32. A super-block then costs 8 FMAs more per
+row in the kernel (``csrc/kquant_matmul.c``), which reads its integer sums per 32 values and
+the sub-block mins from the activations' sums per 16. :func:`kquant_matmul_torch` computes
+the same function with torch operations: the fallback where the C kernel is unavailable, and
+the reference it is tested against.
 """
 
 from __future__ import annotations
 
 import torch
+
+from forerun.model.quant.gguf_blocks import quantize_activations
 
 QK_K = 256
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14  # ggml's type ids
@@ -130,24 +133,14 @@ def dequantize_krows(qtype: int, raw: torch.Tensor, k: int) -> torch.Tensor:
     return (dl * q - ml).reshape(raw.shape[0], k)
 
 
-def quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``x`` ``[m, k]`` -> ``(q, s)``: ``q`` float32 integers in [-127, 127]
-    ``[m, k/256, 256]``, ``s`` ``[m, k/256]`` with ``x ~ q * s``."""
-    m, k = x.shape
-    xb = x.reshape(m, k // QK_K, QK_K)
-    s = xb.abs().amax(dim=-1) / 127.0
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    return torch.round(xb * inv.unsqueeze(-1)), s
-
-
 def kquant_matmul_torch(x: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
                         bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` the rows of ``parts`` (``(type, raw rows)``, stacked),
-    activations quantized per 256 as the C kernel does; ``x`` ``[..., k]``. The product of
+    activations quantized per 32 as the C kernel does; ``x`` ``[..., k]``. The product of
     the quantized activations with the exact weight values is what the kernel's integer sums
     compute; only the order of the float rounding differs."""
     k = x.shape[-1]
-    q, s = quantize_activations_k(x.reshape(-1, k).float())
+    q, s, _ = quantize_activations(x.reshape(-1, k).float())
     xq = (q * s.unsqueeze(-1)).reshape(-1, k)
     w = torch.cat([dequantize_krows(qtype, raw, k) for qtype, raw in parts])
     out = xq @ w.t()
