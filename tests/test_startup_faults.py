@@ -131,6 +131,38 @@ def test_a_two_rank_engine_starts_from_any_kind_of_main(tiny_dir, want, tmp_path
     assert json.loads(lines[-1].split(" ", 1)[1]) == want
 
 
+CORE_SCRIPT = """
+import asyncio, json
+from forerun import SamplingParams
+from forerun.config import EngineConfig
+from forerun.engine.async_llm import AsyncLLM
+
+async def main():
+    llm = AsyncLLM(EngineConfig(**{kwargs}), engine_process=True)
+    try:
+        async for out in llm.generate({{"prompt_token_ids": {prompt}}},
+                                      SamplingParams(max_tokens=6, temperature=0.0,
+                                                     ignore_eos=True), "r"):
+            pass
+        print("TOKENS", json.dumps(out.outputs[0].token_ids))
+    finally:
+        llm.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def test_the_engine_core_process_starts_from_a_script_on_stdin(tiny_dir, want, tmp_path):
+    """``forerun serve``'s engine-core process is spawned the same way as the ranks."""
+    script = CORE_SCRIPT.format(kwargs=repr(engine_kwargs(tiny_dir)), prompt=PROMPT)
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True,
+                          text=True, timeout=240, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert lines and json.loads(lines[-1].split(" ", 1)[1]) == want, done.stderr[-2000:]
+
+
 def test_a_rank_killed_at_the_rendezvous_ends_the_start_naming_it(tiny_dir):
     """Two nodes of two ranks each, the other node never coming: rank 1 (a process of this
     one) checks in at the rendezvous and waits; killed there, the engine's start fails at

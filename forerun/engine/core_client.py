@@ -32,6 +32,7 @@ from forerun.engine.core_messages import (
 from forerun.engine.core_proc import run_engine_core
 from forerun.engine.dp_router import PrefixAwareRouter
 from forerun.sampling_params import SamplingParams
+from forerun.spawn import main_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class EngineCoreClient:
             self._proc = ctx.Process(
                 target=run_engine_core, name="forerun-engine-core", daemon=daemon,
                 args=(self.config, self.input_addr, self.output_addr, os.getpid()))
-            self._proc.start()
+            with main_hidden():  # so that a script on stdin or a notebook can start it
+                self._proc.start()
             if not daemon:
                 atexit.register(self.shutdown)
             logger.info("engine core process started (pid %d)", self._proc.pid)

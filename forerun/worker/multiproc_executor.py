@@ -20,7 +20,7 @@ re-runs the parent's ``__main__`` in each child (from its file, or as its module
 breaks a script read from stdin (the child looks for a file named ``<stdin>`` and dies at
 once) and re-runs the top level of a script without an ``if __name__ == "__main__"``
 guard. A rank needs nothing from ``__main__``: its function and arguments all come from
-forerun. So the parent hides its ``__main__`` while a rank starts (:func:`_main_hidden`),
+forerun. So the parent hides its ``__main__`` while a rank starts (:func:`forerun.spawn.main_hidden`),
 and the child imports only forerun: ranks start the same way from a file, ``python -``,
 ``python -c`` or a notebook. (vLLM instead refuses ``python -`` with a message; working is
 better. A bootstrap of our own, ``python -m`` with the arguments over a pipe, would do the
@@ -51,10 +51,8 @@ import sys
 import threading
 import time
 import traceback
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -74,6 +72,7 @@ from forerun.distributed.parallel_state import (
 )
 from forerun.distributed.pipeline_parallel import stage_layers
 from forerun.model.loader import load_model
+from forerun.spawn import main_hidden
 from forerun.spec_decode.config import SpeculativeConfig
 from forerun.trace import Tracer
 from forerun.worker.cpu_threads import CallerThreadsGuard, take_cpu_share
@@ -196,28 +195,6 @@ def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int,
 class RankStartupError(RuntimeError):
     """A rank process died or raised before it was ready (the message says which, how and
     where)."""
-
-
-# Serialises the swaps of sys.modules["__main__"] (engines may start from several threads).
-_main_lock = threading.Lock()
-
-
-@contextmanager
-def _main_hidden() -> Iterator[None]:
-    """While a rank process starts, ``__main__`` is a bare module: multiprocessing's spawn
-    then tells the child not to re-run the parent's main script or module (see the module
-    docstring). Held only for ``Process.start`` (pickling the arguments, starting the
-    interpreter), a few milliseconds."""
-    with _main_lock:
-        main = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            yield
-        finally:
-            if main is not None:
-                sys.modules["__main__"] = main
-            else:
-                del sys.modules["__main__"]
 
 
 @dataclass(slots=True)
@@ -354,7 +331,7 @@ def spawn_ranks(config: EngineConfig, info: Any, num_blocks: int, ranks: range,
             proc = ctx.Process(target=_rank_main, name=f"forerun-rank-{r}", daemon=True,
                                args=(config, info, num_blocks, r, addr, port, os.getpid(),
                                      spec_config, (share, num_shares), child_end))
-            with _main_hidden():
+            with main_hidden():
                 proc.start()
             # Only the child holds its end now: its death closes the pipe.
             child_end.close()
