@@ -336,7 +336,8 @@ def _write_gguf(hf: torch.nn.Module, path: Path) -> None:
 def test_gguf_loading_matches(tiny, tmp_path: Path) -> None:
     hf, _, _ = tiny
     if hf.config.rope_parameters.get("rope_type") == "llama3":
-        pytest.skip("GGUF stores llama3 rope scaling as rope_freqs, which we reject")
+        pytest.skip("this writer stores no rope_freqs tensor; tests/test_llama3_gguf.py covers "
+                    "llama3 rope scaling in GGUF files")
     if hf.config.model_type == "llama" and hf.config.attention_bias:
         pytest.skip("llama GGUFs with attention bias do not exist")
     path = tmp_path / "tiny.gguf"
