@@ -70,6 +70,58 @@ def requantize_gguf(src: Path, dst: Path, qtype: GT) -> Path:
     return dst
 
 
+WIDE = 768  # SmolLM2's hidden size 576 padded to whole K-quant super-blocks
+
+
+def widen_smollm2(src: Path, dst: Path, qtype_of: dict[str, GT], default: GT) -> Path:
+    """SmolLM2 with its hidden size padded from 576 to 768 so that every weight row is whole
+    256-value super-blocks, written in K-quants (``qtype_of[suffix]``, else ``default``):
+    the same function, since the padding is zeros that stay zero.
+
+    The residual stream gets 192 zero columns (embedding, o_proj/down_proj rows), the
+    attention 3 zero query heads and 1 zero KV head (12 and 4: head h still reads KV head
+    h // 3), whose outputs are zero; RMSNorm then averages over 768 values of which 192 are
+    zero, so its weights are scaled by sqrt(576/768) and its eps by 576/768 to compute the
+    same values."""
+    reader = GGUFReader(src)
+    old, heads, kv, hd = 576, 12, 4, 64
+    ratio = old / WIDE
+    override = {"llama.embedding_length": WIDE, "llama.attention.head_count": heads,
+                "llama.attention.head_count_kv": kv}
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        value = override.get(field.name, field.contents())
+        if field.name == "llama.attention.layer_norm_rms_epsilon":
+            value = value * ratio
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        shape = tuple(reversed(t.shape.tolist()))
+        arr = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if arr.ndim == 1:  # a norm over the hidden size
+            out = np.zeros(WIDE, np.float32)
+            out[:old] = arr * np.float32(np.sqrt(ratio))
+            writer.add_tensor(t.name, out)
+            continue
+        rows = {"attn_q.weight": heads * hd, "attn_k.weight": kv * hd, "attn_v.weight": kv * hd,
+                "attn_output.weight": WIDE, "ffn_down.weight": WIDE}
+        n = next((r for suffix, r in rows.items() if t.name.endswith(suffix)), shape[0])
+        k = shape[1] if shape[1] == 1536 else WIDE  # every input but down_proj's is hidden
+        out = np.zeros((n, k), np.float32)
+        out[:shape[0], :shape[1]] = arr  # whole heads appended: the Q/K row order holds
+        qtype = next((q for suffix, q in qtype_of.items() if t.name.endswith(suffix)), default)
+        raw = pack_kquant(out, qtype)
+        writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 # ---- tiny random models -------------------------------------------------------------------
 def _write_tiny_gguf(path: Path, qtype: GT, tied: bool, seed: int, hidden: int = 64,
                      inter: int = 96, types: dict[str, GT] | None = None,
@@ -328,6 +380,53 @@ def test_smollm2_nll_near_exact_and_async_equals_sync(smollm2_files, mode: str, 
         assert weight_bytes > 0
         if mode == "gguf":  # the blocks, about the size of the file, and nothing else
             assert weight_bytes < 1.05 * path.stat().st_size
+        nll = _nll(llms["off"])
+        assert abs(nll - exact_nll) <= tolerance * exact_nll, (nll, exact_nll)
+        assert _greedy(llms["on"]) == _greedy(llms["off"])
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def widened_smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """``mix -> path``: SmolLM2 widened to whole super-blocks (:func:`widen_smollm2`) in that
+    K-quant mix, written on first use; the model cache is off meanwhile."""
+    src = smollm2_dir() / SMOLLM2_GGUF
+    out = tmp_path_factory.mktemp("widened")
+    files: dict[str, Path] = {}
+
+    def get(mix: str) -> Path:
+        if mix not in files:
+            types, default = (_Q4_K_M, GT.Q4_K) if mix == "Q4_K_M" else ({}, GT[mix])
+            files[mix] = widen_smollm2(src, out / f"smollm2-wide.{mix}.gguf", types, default)
+        return files[mix]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORERUN_CACHE_DIR", "off")
+        yield get
+
+
+@pytest.mark.parametrize(("mix", "tolerance"), [
+    ("Q6_K", 0.01),
+    ("Q5_K", 0.03),
+    ("Q4_K_M", 0.05),  # Q4_K, with Q6_K attention values and MLP down projections
+    ("Q3_K", 0.05),
+])
+def test_smollm2_kquants_nll_near_exact_and_async_equals_sync(widened_smollm2, mix: str,
+                                                              tolerance: float) -> None:
+    """Every weight of a real model in K-quants: the exact engine reads the same file
+    (dequantized), so the NLLs compare the computation, not the file's own quantization."""
+    path = widened_smollm2(mix)
+    exact = _engine(path, async_scheduling="off")
+    try:
+        exact_nll = _nll(exact)
+    finally:
+        exact.shutdown()
+    llms = {m: _engine(path, quantization="gguf", async_scheduling=m) for m in ("off", "on")}
+    try:
+        weight_bytes = llms["off"].stats().weight_bytes
+        assert 0 < weight_bytes < 1.05 * path.stat().st_size  # the blocks, nothing else
         nll = _nll(llms["off"])
         assert abs(nll - exact_nll) <= tolerance * exact_nll, (nll, exact_nll)
         assert _greedy(llms["on"]) == _greedy(llms["off"])
