@@ -20,11 +20,15 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from forerun.core.output import ModelRunnerOutput, SchedulerOutput
-from forerun.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, _StepState
+from forerun.core.output import ModelRunnerOutput
+from forerun.worker.model_runner import ModelRunner
+from forerun.worker.request_state import CachedRequestState
+from forerun.worker.step_backend import StepState
+from forerun.worker.step_inputs import StepInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +105,9 @@ def simulated_token(req_id: str, position: int, vocab_size: int) -> int:
     return 1000 + h % (vocab_size - 1000)
 
 
-class _DeviceResult(AsyncModelRunnerOutput):
-    """A step's sampled ids, readable once the simulated device has finished the step."""
+class _DeviceResult:
+    """A step's sampled ids, readable once the simulated device has finished the step
+    (a :class:`~forerun.worker.output_plan.DeferredOutput`)."""
 
     def __init__(self, ready_at: float, output: ModelRunnerOutput) -> None:
         self._ready_at = ready_at
@@ -115,51 +120,43 @@ class _DeviceResult(AsyncModelRunnerOutput):
         return self._output
 
 
-class SimulatedModelRunner(ModelRunner):
-    """A model runner whose device is a clock (see the module docstring).
+class SimulatedDevice:
+    """The :class:`~forerun.worker.step_backend.StepBackend` whose device is a clock.
 
-    ``execute_model`` does the real host work and "launches" the step: the device starts
-    it when it is free and the host does not wait, as with a GPU's asynchronous launches.
-    ``sample_tokens`` returns at once too; whoever reads the ids waits for the device, as
-    the real runner's CUDA output waits on its copy event. So the worker prepares step
-    N+1 while step N "runs", and a synchronous engine idles the device while it schedules.
-    Its KV cache is a token-sized stub: nothing reads it.
+    ``forward`` "launches" the step: the device starts it when it is free and the host
+    does not wait, as with a GPU's asynchronous launches. ``sample`` returns at once too;
+    whoever reads the ids waits for the device, as the real runner's CUDA output waits on
+    its copy event.
     """
 
-    def __init__(self, device: DeviceSpec, shape: ModelShape, num_blocks: int,
-                 block_size: int, max_num_seqs: int, vocab_size: int, **kw) -> None:
-        super().__init__(torch.nn.Identity(), num_blocks, block_size, num_kv_heads=1,
-                         head_dim=1, num_layers=1, dtype=torch.float32,
-                         device=torch.device("cpu"), max_num_seqs=max_num_seqs,
-                         vocab_size=vocab_size, **kw)
+    def __init__(self, device: DeviceSpec, shape: ModelShape,
+                 requests: dict[str, CachedRequestState], vocab_size: int) -> None:
         self.device_spec = device
         self.shape = shape
+        self.requests = requests
+        self.vocab_size = vocab_size
         self.simulated_device_s = 0.0  # modelled busy time, summed over steps
         self._device_free_at = 0.0
         self._step_done_at = 0.0
-        self._sampled: list[tuple[str, int]] = []
 
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> None:
-        inputs = self._prepare(so)
-        if inputs is None:
-            self._sampled = []
-            return
+    def fill_placeholders(self, inputs: StepInputs, last_sampled: torch.Tensor) -> None:
+        # Real host work, as the real runner does it (nothing reads the ids it writes).
+        inputs.placeholders.fill(inputs.input_ids, last_sampled)
+
+    def forward(self, inputs: StepInputs, step_id: int) -> StepState:
         meta = inputs.meta
         t = step_time_s(self.device_spec, self.shape, meta.num_tokens, meta.seq_lens)
         self.simulated_device_s += t
         start = max(time.perf_counter(), self._device_free_at)
         self._device_free_at = self._step_done_at = start + t
-        # (request, position of the token it samples), for sample_tokens.
-        self._sampled = [(r, self.requests[r].last_sampled_pos) for r in inputs.sample_req_ids]
-        self._step = _StepState(list(inputs.num_tokens_of), inputs.sample_req_ids, None, None,
-                                so.step_id)
+        return StepState(list(inputs.num_tokens_of), inputs.sample_req_ids, None, None,
+                         step_id)
 
-    def sample_tokens(self, grammar_bitmask: object | None = None) -> _DeviceResult:
-        step = self._step
-        assert step is not None, "sample_tokens without execute_model"
-        self._step = None
-        sampled = {r: [simulated_token(r, pos, self.vocab_size)] for r, pos in self._sampled}
+    def sample(self, step: StepState, grammar_bitmask: object | None) -> _DeviceResult:
+        # A request's last_sampled_pos is the position its sample takes: forward and
+        # sample of a step come in a row, and only the next step's inputs move it.
+        sampled = {r: [simulated_token(r, self.requests[r].last_sampled_pos, self.vocab_size)]
+                   for r in step.sample_req_ids}
         for r in sampled:
             # The next step's input at this position comes from last_sampled, as in the
             # real runner; the forward that would read it is a clock.
@@ -168,4 +165,31 @@ class SimulatedModelRunner(ModelRunner):
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in step.req_ids])
+        # An empty step (no forward) is ready when the step before it is.
         return _DeviceResult(self._step_done_at, out)
+
+
+class SimulatedModelRunner(ModelRunner):
+    """A model runner whose device is a clock (see the module docstring).
+
+    Everything the host does for a step is the real runner's; only its ``backend`` is a
+    :class:`SimulatedDevice`. So the worker prepares step N+1 while step N "runs", and a
+    synchronous engine idles the device while it schedules. Its KV cache is a token-sized
+    stub: nothing reads it.
+    """
+
+    def __init__(self, device: DeviceSpec, shape: ModelShape, num_blocks: int,
+                 block_size: int, max_num_seqs: int, vocab_size: int, **kw: Any) -> None:
+        super().__init__(torch.nn.Identity(), num_blocks, block_size, num_kv_heads=1,
+                         head_dim=1, num_layers=1, dtype=torch.float32,
+                         device=torch.device("cpu"), max_num_seqs=max_num_seqs,
+                         vocab_size=vocab_size, **kw)
+        self.device_spec = device
+        self.shape = shape
+        self.clock = SimulatedDevice(device, shape, self.requests, vocab_size)
+        self.backend = self.clock
+
+    @property
+    def simulated_device_s(self) -> float:
+        """Modelled device busy time, summed over steps."""
+        return self.clock.simulated_device_s
