@@ -58,12 +58,19 @@ typedef struct {
     const uint8_t *data[MAXPARTS];
 } qweight_t;
 
-/* One quantized activation row: q[k], s[k/32], ss[k/16] (s times the sum of 16 q). */
+/* One quantized activation row: q[k], and per 16 values (in lane order, below) the scale s
+ * of their block of 32 and s times the sum of their 16 q. */
 typedef struct {
     const int8_t *q;
-    const float *s;
-    const float *ss;
+    const float *s16;
+    const float *ss16;
 } act_t;
+
+/* "Lane order" of a super-block's 16 sub-blocks of 16 values: the order in which the AVX2
+ * body's horizontal adds leave their dot products (two vectors of 8: sub-blocks
+ * 0 2 4 6 1 3 5 7, then 8 10 12 14 9 11 13 15). Per-sub-block factors (activation scales and
+ * sums here, weight scales in the body) are laid out so, and multiply lane by lane. */
+#define SUBPOS(t) (((t) / 8) * 8 + ((t) % 2) * 4 + ((t) % 8) / 2)
 
 static int64_t kblock_bytes(int64_t type) {
     switch (type) {
@@ -105,7 +112,7 @@ static inline float fp16_to_f32(const uint8_t *p) {
 }
 
 /* ---- activations ------------------------------------------------------------------------ */
-static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s, float *ss) {
+static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s16, float *ss16) {
     for (int64_t b = 0; b < k / 32; ++b) {
         const float *xb = x + b * 32;
         float amax = 0.f;
@@ -118,9 +125,10 @@ static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s, float
                 q[b * 32 + j] = (int8_t)v;
                 sum += v;
             }
-            ss[2 * b + h] = d * (float)sum;
+            const int64_t t = 2 * b + h, at = (t / 16) * 16 + SUBPOS(t % 16);
+            s16[at] = d;
+            ss16[at] = d * (float)sum;
         }
-        s[b] = d;
     }
 }
 
@@ -150,15 +158,89 @@ static inline void scales_q3_k(const uint8_t *p, int32_t sc[16]) {
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define ISA 1
 /* 32 products of u (unsigned, <= 63) and a (int8, |a| <= 127) summed pairwise in int16
- * (no saturation: 2 * 63 * 127 < 32767), then weighted by the sub-block scales of its two
- * halves (sc_lo for bytes 0-15, sc_hi for 16-31) into 8 int32 sums. */
-static inline __m256i dot32(__m256i u, const int8_t *a, __m256i scales) {
+ * (no saturation: 2 * 63 * 127 < 32767), then by fours into 8 int32: lanes 0-3 hold the
+ * first 16 values' dot product, lanes 4-7 the last 16's. */
+static inline __m256i dot32(__m256i u, const int8_t *a) {
     const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)a));
-    return _mm256_madd_epi16(p, scales);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-static inline __m256i scale_pair(int32_t lo, int32_t hi) {
-    return _mm256_set_m128i(_mm_set1_epi16((int16_t)hi), _mm_set1_epi16((int16_t)lo));
+/* The 16 sub-block dot products of 8 dot32 results, as two vectors in lane order. */
+static inline void sub_dots(const __m256i p[8], __m256i g[2]) {
+    for (int h = 0; h < 2; ++h)
+        g[h] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4 * h], p[4 * h + 1]),
+                                 _mm256_hadd_epi32(p[4 * h + 2], p[4 * h + 3]));
+}
+
+/* 8 bytes (as uint64) -> 8 floats, unsigned or signed. */
+static inline __m256 u8_to_ps(uint64_t v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
+}
+static inline __m256 i8_to_ps(__m128i v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+
+/* The sub-block scales and mins of one super-block as floats in lane order (two vectors
+ * each; mins 0 for the types without), and d, dmin. */
+static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2], __m256 mn[2],
+                                 float *d, float *dmin) {
+    /* 16 sub-block bytes in natural order -> lane order. */
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    switch (type) {
+    case QT_Q4_K:
+    case QT_Q5_K: {
+        *d = fp16_to_f32(blk);
+        *dmin = fp16_to_f32(blk + 2);
+        /* The 12 scale bytes as words: scales 0-3 and 4-7, mins 0-3 and 4-7 one byte each
+         * (the bit layout of scale_min_k4, four at a time). */
+        uint32_t w[3];
+        memcpy(w, blk + 4, sizeof w);
+        const uint32_t six = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, two = 0x03030303u;
+        const uint32_t s03 = w[0] & six, m03 = w[1] & six;
+        const uint32_t s47 = (w[2] & low4) | (((w[0] >> 6) & two) << 4);
+        const uint32_t m47 = ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4);
+        /* Per 32 values: lane order 0 2 4 6 1 3 5 7 reads blocks of 32 0 1 2 3 0 1 2 3. */
+        sc[0] = u8_to_ps(s03 | (uint64_t)s03 << 32);
+        sc[1] = u8_to_ps(s47 | (uint64_t)s47 << 32);
+        mn[0] = u8_to_ps(m03 | (uint64_t)m03 << 32);
+        mn[1] = u8_to_ps(m47 | (uint64_t)m47 << 32);
+        return;
+    }
+    case QT_Q6_K: {
+        *d = fp16_to_f32(blk + 208);
+        *dmin = 0.f;
+        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), order);
+        sc[0] = i8_to_ps(v);
+        sc[1] = i8_to_ps(_mm_srli_si128(v, 8));
+        mn[0] = mn[1] = _mm256_setzero_ps();
+        return;
+    }
+    case QT_Q3_K: {
+        *d = fp16_to_f32(blk + 108);
+        *dmin = 0.f;
+        int32_t s32[16];
+        int8_t s8[16];
+        scales_q3_k(blk + 96, s32);
+        for (int t = 0; t < 16; ++t) s8[t] = (int8_t)s32[t];
+        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)s8), order);
+        sc[0] = i8_to_ps(v);
+        sc[1] = i8_to_ps(_mm_srli_si128(v, 8));
+        mn[0] = mn[1] = _mm256_setzero_ps();
+        return;
+    }
+    default: { /* QT_Q2_K */
+        *d = fp16_to_f32(blk + 80);
+        *dmin = fp16_to_f32(blk + 82);
+        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order);
+        const __m128i s4 = _mm_and_si128(v, _mm_set1_epi8(0x0f));
+        const __m128i m4 = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
+        sc[0] = i8_to_ps(s4); /* 0..15: as signed bytes too */
+        sc[1] = i8_to_ps(_mm_srli_si128(s4, 8));
+        mn[0] = i8_to_ps(m4);
+        mn[1] = i8_to_ps(_mm_srli_si128(m4, 8));
+        return;
+    }
+    }
 }
 
 static inline float hsum8(__m256 v) {
@@ -264,6 +346,7 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, uint8_t u[QK_K]) {
 }
 #endif
 
+#if ISA == 0
 /* Sub-block scales and mins of one super-block, per 16 values (Q4_K/Q5_K's per-32 ones
  * twice), and d, dmin. */
 static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16],
@@ -305,6 +388,8 @@ static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16]
     }
 }
 
+#endif
+
 /* out[i] = weight row w (nb super-blocks of type) . activation row a[i], i < m. */
 static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, int64_t m,
                     float *out) {
@@ -314,31 +399,31 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
     for (int64_t i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = w + b * bb;
-        int32_t sc[16], mn[16];
+        __m256 sc[2], mn[2];
         float d, dmin;
-        block_scales(type, blk, sc, mn, &d, &dmin);
+        block_factors(type, blk, sc, mn, &d, &dmin);
         __m256i u[8];
         const int off = unpack_u(type, blk, u);
-        __m256i scv[8];
-        for (int j = 0; j < 8; ++j) scv[j] = scale_pair(sc[2 * j], sc[2 * j + 1]);
-        /* Per 16 values: what s * sum(a) is weighted by (the offset and the min). */
-        __m256 cw[2];
+        /* Per sub-block: d * sc multiplies the integer dot products, d * off * sc + dmin * m
+         * the activations' scaled sums (taken back). */
+        __m256 dsc[2], cw[2];
         for (int h = 0; h < 2; ++h) {
-            const __m256 scf =
-                _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(sc + 8 * h)));
-            const __m256 mnf =
-                _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(mn + 8 * h)));
-            cw[h] = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)off), scf,
-                                    _mm256_mul_ps(_mm256_set1_ps(dmin), mnf));
+            dsc[h] = _mm256_mul_ps(_mm256_set1_ps(d), sc[h]);
+            cw[h] = _mm256_fmadd_ps(_mm256_set1_ps((float)off), dsc[h],
+                                    _mm256_mul_ps(_mm256_set1_ps(dmin), mn[h]));
         }
         for (int64_t i = 0; i < m; ++i) {
             const int8_t *q = a[i].q + b * QK_K;
-            const float *s = a[i].s + b * 8, *ss = a[i].ss + b * 16;
-            for (int j = 0; j < 8; ++j)
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(u[j], q + 32 * j, scv[j])),
-                                         _mm256_set1_ps(d * s[j]), acc[i]);
-            fix[i] = _mm256_fmadd_ps(_mm256_loadu_ps(ss), cw[0], fix[i]);
-            fix[i] = _mm256_fmadd_ps(_mm256_loadu_ps(ss + 8), cw[1], fix[i]);
+            const float *s16 = a[i].s16 + b * 16, *ss16 = a[i].ss16 + b * 16;
+            __m256i p[8], g[2];
+            for (int j = 0; j < 8; ++j) p[j] = dot32(u[j], q + 32 * j);
+            sub_dots(p, g);
+            for (int h = 0; h < 2; ++h) {
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g[h]),
+                                         _mm256_mul_ps(dsc[h], _mm256_loadu_ps(s16 + 8 * h)),
+                                         acc[i]);
+                fix[i] = _mm256_fmadd_ps(_mm256_loadu_ps(ss16 + 8 * h), cw[h], fix[i]);
+            }
         }
     }
     for (int64_t i = 0; i < m; ++i) out[i] = hsum8(_mm256_sub_ps(acc[i], fix[i]));
@@ -353,18 +438,13 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
         const int off = unpack_u(type, blk, u);
         for (int64_t i = 0; i < m; ++i) {
             const int8_t *q = a[i].q + b * QK_K;
-            const float *s = a[i].s + b * 8, *ss = a[i].ss + b * 16;
-            for (int j = 0; j < 8; ++j) { /* activation block j: sub-blocks 2j and 2j + 1 */
-                int32_t isum = 0;
-                for (int t = 2 * j; t < 2 * j + 2; ++t) {
-                    int32_t dot = 0;
-                    for (int v = 16 * t; v < 16 * t + 16; ++v) dot += u[v] * q[v];
-                    isum += sc[t] * dot;
-                }
-                out[i] += d * s[j] * (float)isum;
+            const float *s16 = a[i].s16 + b * 16, *ss16 = a[i].ss16 + b * 16;
+            for (int t = 0; t < 16; ++t) {
+                int32_t dot = 0;
+                for (int v = 16 * t; v < 16 * t + 16; ++v) dot += u[v] * q[v];
+                out[i] += d * (float)sc[t] * s16[SUBPOS(t)] * (float)dot -
+                          (d * (float)(off * sc[t]) + dmin * (float)mn[t]) * ss16[SUBPOS(t)];
             }
-            for (int t = 0; t < 16; ++t)
-                out[i] -= (d * (float)(off * sc[t]) + dmin * (float)mn[t]) * ss[t];
         }
     }
 #endif
@@ -386,17 +466,17 @@ static int kquant_matmul_core(const float *xf, const qweight_t *w, float *y, int
     first_row[w->nparts] = total;
     if (total != n) return -2;
     const int64_t nb = k / QK_K;
-    /* One allocation: quantized rows, then scales (per 32), then scaled sums (per 16). */
+    /* One allocation: quantized rows, then scales and scaled sums (per 16, lane order). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    char *scratch = malloc(qbytes + sizeof(float) * (size_t)(m * (k / 32 + k / 16)));
+    char *scratch = malloc(qbytes + sizeof(float) * (size_t)(2 * m * (k / 16)));
     if (!scratch) return -1;
     int8_t *qa = (int8_t *)scratch;
-    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * (k / 32);
+    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * (k / 16);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; ++i)
-            quantize_row_k(xf + i * k, k, qa + i * k, sa + i * (k / 32), ssa + i * (k / 16));
+            quantize_row_k(xf + i * k, k, qa + i * k, sa + i * (k / 16), ssa + i * (k / 16));
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
 #pragma omp for schedule(static)
@@ -409,7 +489,7 @@ static int kquant_matmul_core(const float *xf, const qweight_t *w, float *y, int
                     const int64_t mi = i + MAXM <= i0 + mc ? MAXM : i0 + mc - i;
                     act_t acts[MAXM];
                     for (int64_t t = 0; t < mi; ++t)
-                        acts[t] = (act_t){qa + (i + t) * k, sa + (i + t) * (k / 32),
+                        acts[t] = (act_t){qa + (i + t) * k, sa + (i + t) * (k / 16),
                                           ssa + (i + t) * (k / 16)};
                     float out[MAXM];
                     row_dot(type, row, nb, acts, mi, out);
