@@ -5,8 +5,9 @@ with ``s_w = max|W[j, :]| / 127`` per output row ``j`` (from whatever the checkp
 a Hugging Face folder's floats, or a GGUF's dequantized values). At run time each token's
 activation row gets its own scale the same way (dynamic, symmetric), the product is an
 int8 x int8 -> int32 GEMM (``torch._int_mm``: oneDNN's int8 kernels on CPU, twice the
-arithmetic rate of its bf16 ones on CPUs with VNNI/AMX), and the result is scaled back by
-``s_x[i] * s_w[j]`` (``csrc/quant_matmul.c`` fuses the quantize and the rescale, each one
+arithmetic rate of its bf16 ones on CPUs with VNNI/AMX; ``csrc/int8_matmul.c`` for decode's
+few rows, and everywhere on a CPU without those instructions), and the result is scaled back
+by ``s_x[i] * s_w[j]`` (``csrc/quant_matmul.c`` fuses the quantize and the rescale, each one
 pass over memory). Everything else (embedding, output head, norms, attention, and the fused
 q/k/v projection: see :data:`KEEP_FLOAT`) stays in the model's dtype: batches are bound by
 the GEMMs' arithmetic, which is where int8 pays.
@@ -34,6 +35,22 @@ def _int32_workspace(m: int, n: int) -> torch.Tensor:
         buf = torch.empty(m * n, dtype=torch.int32)
         _workspace.buf = buf
     return buf[: m * n].view(m, n)
+
+
+# Rows up to which csrc/int8_matmul.c runs instead of torch._int_mm where oneDNN has int8
+# dot-product instructions (VNNI, AMX): at decode's few rows oneDNN's int8 GEMM runs far
+# below the weights' streaming rate. Without them (AVX2 only) oneDNN's int8 path is slower
+# than the C kernel at every size, so the C kernel takes everything.
+OWN_KERNEL_MAX_ROWS = 16
+_onednn_int8_fast: bool | None = None
+
+
+def _own_kernel_for(rows: int) -> bool:
+    global _onednn_int8_fast
+    if _onednn_int8_fast is None:
+        _onednn_int8_fast = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") \
+            or "AMX" in torch.backends.cpu.get_cpu_capability()
+    return rows <= OWN_KERNEL_MAX_ROWS or not _onednn_int8_fast
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +92,10 @@ class Int8Linear(nn.Module):
             sx = xf.abs().amax(dim=1) / 127.0
             inv = torch.where(sx > 0, 1.0 / sx, torch.zeros_like(sx))
             xq = torch.round(xf * inv[:, None]).to(torch.int8)
+        if kernels and _own_kernel_for(xq.shape[0]):
+            y = cpu_kernels.int8_linear(xq, sx, self.weight_q, self.weight_scale, self.bias,
+                                        x.dtype)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if kernels:
             acc = torch._int_mm(xq, self.weight_q.t(),
                                 out=_int32_workspace(xq.shape[0], self.out_features))

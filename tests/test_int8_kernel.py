@@ -1,0 +1,101 @@
+"""The int8 matmul (csrc/int8_matmul.c): exact integer sums in every body this CPU can run,
+against int64 arithmetic, and the int8 linear the same through it as through torch._int_mm."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from forerun.model import cpu_kernels
+from forerun.model.quant import int8_linear
+from forerun.model.quant.int8_linear import Int8Linear
+from tests.kernel_variants import build_quant_variant
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernel_library() is None,
+                                reason="no C kernels here")
+
+# -march -> the CPU flags its body needs (x86-64: the plain C body).
+_VARIANTS = {"x86-64": set(), "haswell": {"avx2"}, "skylake-avx512": {"avx512bw", "avx512f"}}
+SHAPES = [(1, 7, 33), (1, 64, 2048), (2, 5, 16), (3, 9, 100), (4, 8, 64), (5, 13, 17),
+          (64, 67, 256), (64, 4, 31)]
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module")
+def bodies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | None]:
+    """Loaded builds of int8_matmul.c per body this CPU runs; None is the kernel library."""
+    libs: dict[str, ctypes.CDLL | None] = {"native": None}
+    out: Path = tmp_path_factory.mktemp("int8-variants")
+    flags = _cpu_flags()
+    for march, needs in _VARIANTS.items():
+        if needs <= flags:
+            try:
+                libs[march] = build_quant_variant(march, out, "int8_matmul.c",
+                                                  cpu_kernels.bind_int8_kernels)
+            except RuntimeError:  # the compiler does not know this -march
+                continue
+    return libs
+
+
+def test_each_variant_is_the_body_it_was_built_for(bodies) -> None:
+    want = {"x86-64": "c", "haswell": "avx2", "skylake-avx512": "avx512bw"}
+    for name, lib in bodies.items():
+        if lib is not None:
+            assert cpu_kernels.int8_matmul_isa(lib) == want[name]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_integer_sums_are_exact_in_every_body(bodies, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
+    # The extremes included: -127 and 127 products summed over the whole row.
+    xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    xq[0, :] = 127
+    wq[0, :] = -127
+    oracle = xq.long() @ wq.long().t()
+    for name, lib in bodies.items():
+        got = cpu_kernels.int8_matmul_acc(xq, wq, lib)
+        assert torch.equal(got.long(), oracle), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_int8_linear_is_the_same_through_the_kernel_and_int_mm(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 160, generator=g)
+    bias = torch.nn.Parameter(torch.randn(96, generator=g).to(dtype), requires_grad=False)
+    lin = Int8Linear(w, bias)
+    x = torch.randn(m, 160, generator=g).to(dtype)
+    monkeypatch.setattr(int8_linear, "_own_kernel_for", lambda rows: True)
+    ours = lin(x)
+    monkeypatch.setattr(int8_linear, "_own_kernel_for", lambda rows: False)
+    onednn = lin(x)
+    torch.testing.assert_close(ours, onednn, rtol=0, atol=0)
+
+
+def test_the_avx512_body_compiles(tmp_path: Path) -> None:
+    """Where this CPU cannot run it, the AVX-512 body is at least built (not run)."""
+    from forerun import envs
+
+    flags = [f if f != "-march=native" else "-march=skylake-avx512"
+             for f in cpu_kernels._FLAGS]
+    src = cpu_kernels._CSRC / "int8_matmul.c"
+    try:
+        cpu_kernels._run([envs.c_compiler(), *flags, "-c", str(src), "-o",
+                          str(tmp_path / "int8.o")])
+    except RuntimeError as exc:
+        if "skylake-avx512" in str(exc) and "march" in str(exc):
+            pytest.skip("the compiler does not know -march=skylake-avx512")
+        raise
+    assert (tmp_path / "int8.o").stat().st_size > 0
