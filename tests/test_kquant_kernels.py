@@ -43,7 +43,9 @@ def _cpu_flags() -> set[str]:
 
 
 # -march -> the CPU flags its body needs.
-_VARIANTS = {"x86-64": set(), "haswell": {"avx2", "fma", "f16c"}}
+_VARIANTS = {"x86-64": set(), "haswell": {"avx2", "fma", "f16c"},
+             "alderlake": {"avx2", "fma", "f16c", "avx_vnni"},
+             "icelake-server": {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"}}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,11 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL 
     out = tmp_path_factory.mktemp("kquant-variants")
     for march, needs in _VARIANTS.items():
         if needs <= flags:
-            libs[march] = build_quant_variant(march, out, "kquant_matmul.c",
-                                              cpu_kernels.bind_kquant_kernels)
+            try:
+                libs[march] = build_quant_variant(march, out, "kquant_matmul.c",
+                                                  cpu_kernels.bind_kquant_kernels)
+            except RuntimeError:  # the compiler does not know this -march
+                continue
     return libs
 
 
@@ -124,8 +129,28 @@ def test_every_available_body_was_checked(variants) -> None:
         pytest.skip("no C compiler here: only the torch fallback runs")
     isas = {cpu_kernels.kquant_matmul_isa(lib) for lib in variants.values()}
     assert "c" in isas  # the plain-C body runs on any x86-64
-    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+    flags = _cpu_flags()
+    if {"avx2", "fma", "f16c"} <= flags:
         assert "avx2" in isas
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        assert "avx512vnni" in isas
+    if "avx_vnni" in flags:
+        assert "vnni" in isas
+
+
+@pytest.mark.parametrize("march", ["icelake-server", "alderlake"])
+def test_vnni_bodies_build(tmp_path: Path, march: str) -> None:
+    """The VNNI bodies compile and link on any machine (they run, and are checked above,
+    only where the CPU has the instructions; nothing of them is called here)."""
+    if cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler here")
+    try:
+        build_quant_variant(march, tmp_path, "kquant_matmul.c", lambda lib: None)
+    except RuntimeError as exc:
+        if "march" in str(exc):  # an older compiler without this -march
+            pytest.skip(str(exc))
+        raise
+    assert (tmp_path / f"kquant_matmul-{march}.so").exists()
 
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)

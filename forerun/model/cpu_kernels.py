@@ -471,10 +471,11 @@ def kquant_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor
 
 
 def kquant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the K-quant matmul was built with: ``avx2`` or ``c``."""
+    """Which body the K-quant matmul was built with: ``avx512vnni`` / ``vnni`` (the AVX2
+    body with VNNI byte dot products), ``avx2`` or ``c``."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
-    return {1: "avx2"}.get(lib.kquant_matmul_isa(), "c")
+    return {3: "avx512vnni", 2: "vnni", 1: "avx2"}.get(lib.kquant_matmul_isa(), "c")
 
 
 def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

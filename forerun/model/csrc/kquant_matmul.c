@@ -29,8 +29,8 @@
  * per 32 values; the mins (and the offsets of the signed types Q3_K and Q6_K, read as
  * unsigned q + offset) come from the kept sums, 16 per super-block, once per block and row.
  *
- * Bodies by the build's -march: AVX2 (with FMA and F16C), or plain C; kquant_matmul_isa()
- * says which. A weight row is read once for up to MAXM activation rows (its unpacked
+ * Bodies by the build's -march: AVX2 (with FMA and F16C; its byte dot products with VNNI
+ * where the CPU has AVX512-VNNI or AVX-VNNI), or plain C; kquant_matmul_isa() says which. A weight row is read once for up to MAXM activation rows (its unpacked
  * quants feed all of them); rows are shared among threads.
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
@@ -156,13 +156,22 @@ static inline void scales_q3_k(const uint8_t *p, int32_t sc[16]) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define ISA 1
-/* 32 products of u (unsigned, <= 63) and a (int8, |a| <= 127) summed pairwise in int16
- * (no saturation: 2 * 63 * 127 < 32767), then by fours into 8 int32: lanes 0-3 hold the
- * first 16 values' dot product, lanes 4-7 the last 16's. */
+/* 32 products of u (unsigned, <= 63) and a (int8, |a| <= 127) summed by fours into 8 int32:
+ * lanes 0-3 hold the first 16 values' dot product, lanes 4-7 the last 16's. One VNNI
+ * instruction where the CPU has it (AVX512-VNNI on 256-bit vectors, or AVX-VNNI); else
+ * maddubs (pairs in int16, no saturation: 2 * 63 * 127 < 32767) and madd by ones. */
 static inline __m256i dot32(__m256i u, const int8_t *a) {
-    const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)a));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    const __m256i av = _mm256_loadu_si256((const __m256i *)a);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define ISA 3
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, av);
+#elif defined(__AVXVNNI__)
+#define ISA 2
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, av);
+#else
+#define ISA 1
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, av), _mm256_set1_epi16(1));
+#endif
 }
 
 /* The 16 sub-block dot products of 8 dot32 results, as two vectors in lane order. */
@@ -218,11 +227,17 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
     case QT_Q3_K: {
         *d = fp16_to_f32(blk + 108);
         *dmin = 0.f;
-        int32_t s32[16];
-        int8_t s8[16];
-        scales_q3_k(blk + 96, s32);
-        for (int t = 0; t < 16; ++t) s8[t] = (int8_t)s32[t];
-        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)s8), order);
+        /* scales_q3_k's bit layout four scales at a time: low nibbles from words 0-1,
+         * top two bits from word 2, then minus 32. */
+        uint32_t w[3];
+        memcpy(w, blk + 96, sizeof w);
+        const uint32_t low4 = 0x0f0f0f0fu, two = 0x03030303u;
+        const __m128i raw = _mm_setr_epi32(
+            (int)((w[0] & low4) | ((w[2] & two) << 4)),
+            (int)((w[1] & low4) | (((w[2] >> 2) & two) << 4)),
+            (int)(((w[0] >> 4) & low4) | (((w[2] >> 4) & two) << 4)),
+            (int)(((w[1] >> 4) & low4) | (((w[2] >> 6) & two) << 4)));
+        const __m128i v = _mm_shuffle_epi8(_mm_sub_epi8(raw, _mm_set1_epi8(32)), order);
         sc[0] = i8_to_ps(v);
         sc[1] = i8_to_ps(_mm_srli_si128(v, 8));
         mn[0] = mn[1] = _mm256_setzero_ps();
@@ -394,7 +409,7 @@ static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16]
 static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, int64_t m,
                     float *out) {
     const int64_t bb = kblock_bytes(type);
-#if ISA == 1
+#if ISA >= 1
     __m256 acc[MAXM], fix[MAXM];
     for (int64_t i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -450,7 +465,7 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
 #endif
 }
 
-/* 1: AVX2 (maddubs), 0: plain C (for tests and logs). */
+/* 3: AVX512-VNNI (256-bit), 2: AVX-VNNI, 1: AVX2 (maddubs), 0: plain C (tests, logs). */
 int kquant_matmul_isa(void) { return ISA; }
 
 /* y [m, n] (float32) = xf [m, k] @ W.T: the body shared by both activation dtypes. */
