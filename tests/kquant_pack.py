@@ -1,4 +1,5 @@
-"""A test-only packer for GGUF K-quants (Q2_K ... Q6_K): float rows -> the file's bytes.
+"""A test-only packer for GGUF K-quants (Q2_K ... Q6_K, IQ4_XS): float rows -> the file's
+bytes.
 
 The ``gguf`` package reads these types but cannot write them, so the tests quantize with
 this plain round-to-nearest packer (simpler than llama.cpp's searched scales, so a little
@@ -13,10 +14,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as GT
 
 QK_K = 256
-BLOCK_BYTES = {GT.Q2_K: 84, GT.Q3_K: 110, GT.Q4_K: 144, GT.Q5_K: 176, GT.Q6_K: 210}
+BLOCK_BYTES = {GT.Q2_K: 84, GT.Q3_K: 110, GT.Q4_K: 144, GT.Q5_K: 176, GT.Q6_K: 210,
+               GT.IQ4_XS: 136}
 # Byte offsets of each type's fp16 super-block scales (d, and dmin where there is one).
 _HALF_OFFSETS = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2),
-                 GT.Q6_K: (208,)}
+                 GT.Q6_K: (208,), GT.IQ4_XS: (0,)}
+_IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                        113], dtype=np.float32)
 
 
 def _f16(v: np.ndarray) -> np.ndarray:
@@ -110,6 +114,24 @@ def _pack_blocks(qtype: GT, x: np.ndarray) -> np.ndarray:
                                  axis=1)], axis=1)
         return np.concatenate([_bit_planes(u >> 2), _two_bit_planes(u & 3), scales, _f16(d)],
                               axis=1)
+    if qtype == GT.IQ4_XS:
+        xs = x.reshape(nb, 8, 32)
+        # Per 32: the value of largest magnitude lands on the level -127 (the scale may be
+        # negative), the rest on their nearest level.
+        peak = np.take_along_axis(xs, np.abs(xs).argmax(axis=-1)[..., None], -1)[..., 0]
+        scale = peak / -127.0
+        d = (np.abs(scale).max(axis=-1) / 31).astype(np.float16).astype(np.float32)
+        sc = np.clip(np.round(_ratio(scale, d[:, None])), -32, 31)
+        step = (d[:, None] * sc)[..., None]
+        idx = np.abs(_IQ4_LEVELS * step[..., None] - xs[..., None]).argmin(axis=-1)
+        idx = idx.astype(np.uint8)  # [nb, 8, 32]
+        qs = (idx[..., :16] | (idx[..., 16:] << 4)).reshape(nb, 128)
+        u = (sc + 32).astype(np.uint16)
+        high = np.bitwise_or.reduce(((u >> 4) & 3) << (2 * np.arange(8, dtype=np.uint16)),
+                                    axis=1).astype(np.uint16)
+        low = (u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)
+        return np.concatenate([_f16(d), high.reshape(-1, 1).view(np.uint8),
+                               low.astype(np.uint8), qs], axis=1)
     if qtype == GT.Q2_K:
         q, sc, m, d, dmin = _asym(x, 16, 3, 15)
         return np.concatenate([sc | (m << 4), _two_bit_planes(q), _f16(d), _f16(dmin)],

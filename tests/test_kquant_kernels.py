@@ -26,7 +26,7 @@ from forerun.model.quant.kquant_blocks import dequantize_krows, kquant_matmul_to
 from tests.kernel_variants import build_quant_variant
 from tests.kquant_pack import pack_kquant, random_kblocks
 
-KTYPES = [GT.Q4_K, GT.Q6_K, GT.Q5_K, GT.Q3_K, GT.Q2_K]
+KTYPES = [GT.Q4_K, GT.Q6_K, GT.Q5_K, GT.Q3_K, GT.Q2_K, GT.IQ4_XS]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n and m, k one super-block and many.
 SHAPES = [(1, 37, 256), (1, 96, 1024), (3, 17, 768), (5, 1, 512), (64, 45, 256),
           (64, 8, 1536)]

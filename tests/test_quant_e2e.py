@@ -232,7 +232,7 @@ _Q4_K_M = {"attn_v.weight": GT.Q6_K, "ffn_down.weight": GT.Q6_K}
 
 
 @pytest.mark.usefixtures("private_model_cache")
-@pytest.mark.parametrize("mix", ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "Q4_K_M",
+@pytest.mark.parametrize("mix", ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "Q4_K_M",
                                  "Q4_K+Q8_0"])
 @pytest.mark.parametrize("path", ["kernels", "torch"])
 def test_tiny_kquant_model_computes_with_its_blocks(tmp_path: Path, monkeypatch, mix: str,
@@ -262,17 +262,27 @@ def test_tiny_kquant_model_computes_with_its_blocks(tmp_path: Path, monkeypatch,
     # The one-call decoder stack declines K-quant linears: decode runs op by op.
     assert not ours.small_batch.can_run(torch.float32)
     want = _paged_logits(exact)
-    with monkeypatch.context() as mp:
-        mp.setattr(cpu_kernels, "supports", lambda *a: False)
-        ref = _paged_logits(ours)
-    got = ref if path == "torch" else _paged_logits(ours)
     scale = want.abs().max()
+    if path == "torch":  # everything in torch
+        with monkeypatch.context() as mp:
+            mp.setattr(cpu_kernels, "supports", lambda *a: False)
+            got = _paged_logits(ours)
+        assert (got - want).abs().max() < 0.05 * scale
+        return
+    got = _paged_logits(ours)
     assert (got - want).abs().max() < 0.05 * scale
-    # The torch reference also runs attention and the norms in torch, whose last-bit
-    # differences can flip an activation's 8-bit rounding and grow through the layers (most
-    # in the coarsest types); per linear the kernels match torch to 1e-6
-    # (tests/test_kquant_kernels.py).
-    assert (got - ref).abs().max() < 5e-3 * scale
+    # The reference: the same model with only the quantized linears in torch. Per linear the
+    # kernels match torch to float rounding (tests/test_kquant_kernels.py, 2e-4 of the scale
+    # at most); through the model a last-bit difference now and then moves an activation
+    # across an 8-bit rounding boundary, and the step it takes grows layer by layer and,
+    # through the KV cache, token by token (measured: up to 1.2% of the scale where one did,
+    # against 4-6% for the activation quantization itself).
+    run = GGUFLinear._run
+    with monkeypatch.context() as mp:
+        mp.setattr(GGUFLinear, "_run", lambda self, seg, x, bias, fast: run(self, seg, x, bias,
+                                                                             False))
+        ref = _paged_logits(ours)
+    assert (got - ref).abs().max() < 0.02 * scale
 
 
 @pytest.mark.usefixtures("private_model_cache")

@@ -1,5 +1,6 @@
 """``quantization="gguf"``: linear layers (and a tied output head) that compute with a GGUF
-file's own blocks: Q8_0 / Q4_0 / Q4_1, and the K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K.
+file's own blocks: Q8_0 / Q4_0 / Q4_1, and the K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K and
+IQ4_XS.
 
 The blocks are copied out of the file once, as they are, and never dequantized as a whole:
 the C kernels read them for every matmul, ``csrc/quant_matmul.c`` the 32-value types with

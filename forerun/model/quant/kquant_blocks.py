@@ -1,4 +1,5 @@
-"""GGUF K-quant block formats (Q2_K ... Q6_K) forerun computes with, and their matmul in torch.
+"""GGUF K-quant block formats (Q2_K ... Q6_K, IQ4_XS) forerun computes with, and their matmul
+in torch.
 
 A weight row of ``k`` values is ``k / 256`` super-blocks, kept in memory exactly as the file
 stores them (no regrouping; ``csrc/kquant_matmul.c`` reads a row's blocks in order). ggml's
@@ -13,6 +14,9 @@ layouts, byte offsets within one super-block (``d``/``dmin`` fp16):
 - Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits before the nibbles; ``q`` in 0..31.
 - Q6_K (210 bytes): 128 bytes of low nibbles, 64 bytes of high 2 bits, 16 int8 scales per
   16 values, ``d``; ``w = d * sc * q``, ``q`` in -32..31.
+- IQ4_XS (136 bytes): ``d``, 2 + 4 bytes of 6-bit scales (offset by 32) per 32 values, 128
+  bytes of nibbles, each an index into 16 fixed levels (:data:`IQ4_LEVELS`);
+  ``w = d * sc * level``.
 
 Which bits of which byte hold value ``v`` of a super-block follows ``gguf.quants`` (the
 oracle the tests read; spelled out in :func:`unpack_kblocks` and in the C file).
@@ -37,10 +41,14 @@ import torch
 from forerun.model.quant.gguf_blocks import quantize_activations
 
 QK_K = 256
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14  # ggml's type ids
-KBLOCK_BYTES: dict[int, int] = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23  # ggml's type ids
+KBLOCK_BYTES: dict[int, int] = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210,
+                                IQ4_XS: 136}
 KTYPE_NAMES: dict[int, str] = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K",
-                               Q6_K: "Q6_K"}
+                               Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
+# IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl).
+IQ4_LEVELS: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
+                               69, 89, 113)
 
 
 def krow_bytes(qtype: int, k: int) -> int:
@@ -118,6 +126,20 @@ def unpack_kblocks(qtype: int, raw: torch.Tensor, k: int
         hb = _bits(b[..., 0:32], list(range(8)), 1).reshape(n, nb, 256)
         q = (ql - 4 * (1 - hb)).reshape(n, nb, 16, 16)
         return q.float(), (d * sc).unsqueeze(-1), torch.zeros(n, nb, 16, 1)
+    if qtype == IQ4_XS:
+        d = _fp16(b[..., 0:2])
+        # Scale s: nibble s % 2 of byte 4 + s // 2, plus bits 2 s..2 s+1 of the uint16 at
+        # bytes 2-3 times 16, minus 32.
+        sh = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)
+        sl = b[..., 4:8].to(torch.int32)
+        low = torch.stack([sl & 0x0F, sl >> 4], dim=-1).reshape(n, nb, 8)
+        high = (sh.unsqueeze(-1) >> (2 * torch.arange(8))) & 3
+        sc = ((low | (high << 4)) - 32).float()
+        # Value 32 s + 16 p + i: level of nibble p of byte 8 + 16 s + i.
+        idx = _bits(b[..., 8:].reshape(n, nb, 8, 16), [0, 4], 0x0F).reshape(n, nb, 256)
+        q = torch.tensor(IQ4_LEVELS, dtype=torch.float32)[idx.long()]
+        return (q.reshape(n, nb, 16, 16), (d * sc).repeat_interleave(2, dim=-1).unsqueeze(-1),
+                torch.zeros(n, nb, 16, 1))
     if qtype == Q2_K:
         d, dmin = _fp16(b[..., 80:82]), _fp16(b[..., 82:84])
         s = b[..., 0:16].to(torch.int32)
