@@ -4,6 +4,6 @@ The drafter runs on the worker right after sampling, where the new tokens are; t
 scheduler only ever learns *how many* drafts a request has, never their ids.
 """
 
-from forerun.spec_decode.config import SpeculativeConfig, supports_spec_decode
+from forerun.spec_decode.config import SpeculativeConfig
 
-__all__ = ["SpeculativeConfig", "supports_spec_decode"]
+__all__ = ["SpeculativeConfig"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from forerun.sampling_params import SamplingParams, check_int, check_real
+from forerun.sampling_params import check_int, check_real
 
 METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
@@ -84,8 +84,3 @@ class SpeculativeConfig:
 
 def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
     check_int(f"speculative_config.{name}", v, lo, hi)
-
-
-def supports_spec_decode(params: SamplingParams) -> bool:
-    """``params.supports_spec_decode`` (see :class:`forerun.sampling_params.SamplingParams`)."""
-    return params.supports_spec_decode

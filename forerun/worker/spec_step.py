@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from forerun.core.output import ModelRunnerOutput, TokenLogprobs
-from forerun.spec_decode.config import SpeculativeConfig, supports_spec_decode
+from forerun.spec_decode.config import SpeculativeConfig
 from forerun.spec_decode.proposer import make_proposer
 from forerun.trace import Tracer
 from forerun.worker import rng
@@ -41,7 +41,7 @@ class SpecDecodeStep:
     def add_request(self, state: CachedRequestState) -> None:
         """A request's row was (re)built: the drafter starts from its known ids."""
         state.token_ids = list(state.token_ids)  # grows with every sample
-        state.spec_enabled = supports_spec_decode(state.sampling_params)
+        state.spec_enabled = state.sampling_params.supports_spec_decode
         self.drafter.add_request(state.req_id, state.token_ids, state.num_prompt_tokens)
 
     def remove_request(self, state: CachedRequestState, finished: bool) -> None:
