@@ -24,7 +24,7 @@ from forerun.model.quant import resident_weight_bytes
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.kquant_blocks import dequantize_krows, kquant_matmul_torch
 from tests.kernel_variants import build_quant_variant
-from tests.kquant_pack import pack_kquant, random_kblocks
+from tests.kquant_pack import BLOCK_BYTES, pack_kquant, random_kblocks
 
 KTYPES = [GT.Q4_K, GT.Q6_K, GT.Q5_K, GT.Q3_K, GT.Q2_K, GT.IQ4_XS]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n and m, k one super-block and many.
@@ -238,3 +238,12 @@ def test_rows_must_be_whole_super_blocks() -> None:
         GGUFLinear([(int(GT.Q4_K), torch.zeros(4, 72, dtype=torch.uint8))], 128)
     with pytest.raises(ValueError, match="Q6_K rows of 256 values"):
         GGUFLinear([(int(GT.Q6_K), torch.zeros(4, 200, dtype=torch.uint8))], 256)
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_torch_fallback_stays_on_the_weights_device(qtype: GT) -> None:
+    """Off the CPU (CUDA) only the torch path runs: nothing in it may be made on the CPU
+    (checked on the meta device, which refuses to mix with it)."""
+    raw = torch.zeros(3, 2 * BLOCK_BYTES[qtype], dtype=torch.uint8, device="meta")
+    y = kquant_matmul_torch(torch.zeros(2, 512, device="meta"), [(int(qtype), raw)], None)
+    assert y.shape == (2, 3) and y.device.type == "meta"

@@ -89,7 +89,7 @@ def unpack_kblocks(qtype: int, raw: torch.Tensor, k: int
     sub-block scale) and ``ml`` (``dmin`` times the sub-block min, 0 where the type has none)
     float32 ``[n, k/256, 16, 1]``; the products are the ones ``gguf.quants`` forms, so the
     values come out bit for bit as it dequantizes them."""
-    n, nb = raw.shape[0], k // QK_K
+    n, nb, dev = raw.shape[0], k // QK_K, raw.device  # any device: the fallback off CPU
     b = raw.reshape(n, nb, KBLOCK_BYTES[qtype])
     if qtype in (Q4_K, Q5_K):
         d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
@@ -111,7 +111,7 @@ def unpack_kblocks(qtype: int, raw: torch.Tensor, k: int
         qh = _bits(b[..., 128:192].reshape(n, nb, 2, 32), [0, 2, 4, 6], 3).reshape(n, nb, 2,
                                                                                  128)
         q = ((ql | (qh << 4)) - 32).reshape(n, nb, 16, 16)
-        return q.float(), (d * sc).unsqueeze(-1), torch.zeros(n, nb, 16, 1)
+        return q.float(), (d * sc).unsqueeze(-1), torch.zeros(n, nb, 16, 1, device=dev)
     if qtype == Q3_K:
         d = _fp16(b[..., 108:110])
         s = b[..., 96:108].to(torch.int32)
@@ -125,7 +125,7 @@ def unpack_kblocks(qtype: int, raw: torch.Tensor, k: int
         ql = _bits(b[..., 32:96].reshape(n, nb, 2, 32), [0, 2, 4, 6], 3).reshape(n, nb, 256)
         hb = _bits(b[..., 0:32], list(range(8)), 1).reshape(n, nb, 256)
         q = (ql - 4 * (1 - hb)).reshape(n, nb, 16, 16)
-        return q.float(), (d * sc).unsqueeze(-1), torch.zeros(n, nb, 16, 1)
+        return q.float(), (d * sc).unsqueeze(-1), torch.zeros(n, nb, 16, 1, device=dev)
     if qtype == IQ4_XS:
         d = _fp16(b[..., 0:2])
         # Scale s: nibble s % 2 of byte 4 + s // 2, plus bits 2 s..2 s+1 of the uint16 at
@@ -133,13 +133,13 @@ def unpack_kblocks(qtype: int, raw: torch.Tensor, k: int
         sh = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)
         sl = b[..., 4:8].to(torch.int32)
         low = torch.stack([sl & 0x0F, sl >> 4], dim=-1).reshape(n, nb, 8)
-        high = (sh.unsqueeze(-1) >> (2 * torch.arange(8))) & 3
+        high = (sh.unsqueeze(-1) >> (2 * torch.arange(8, device=dev))) & 3
         sc = ((low | (high << 4)) - 32).float()
         # Value 32 s + 16 p + i: level of nibble p of byte 8 + 16 s + i.
         idx = _bits(b[..., 8:].reshape(n, nb, 8, 16), [0, 4], 0x0F).reshape(n, nb, 256)
-        q = torch.tensor(IQ4_LEVELS, dtype=torch.float32)[idx.long()]
+        q = torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=dev)[idx.long()]
         return (q.reshape(n, nb, 16, 16), (d * sc).repeat_interleave(2, dim=-1).unsqueeze(-1),
-                torch.zeros(n, nb, 16, 1))
+                torch.zeros(n, nb, 16, 1, device=dev))
     if qtype == Q2_K:
         d, dmin = _fp16(b[..., 80:82]), _fp16(b[..., 82:84])
         s = b[..., 0:16].to(torch.int32)
