@@ -64,7 +64,7 @@ def test_integer_sums_are_exact_in_every_body(bodies, m: int, n: int, k: int) ->
     wq[0, :] = -127
     oracle = xq.long() @ wq.long().t()
     for name, lib in bodies.items():
-        got = cpu_kernels.int8_matmul_acc(xq, wq, lib)
+        got = cpu_kernels.int8_matmul_acc(xq, wq, lib=lib)
         assert torch.equal(got.long(), oracle), name
 
 

@@ -506,44 +506,24 @@ def bind_int8_kernels(lib: ctypes.CDLL) -> None:
     (the kernel library, or a test's build of int8_matmul.c alone)."""
     lib.int8_matmul_acc.restype = ctypes.c_int
     lib.int8_matmul_acc.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64]
-    for suffix in _DTYPE_SUFFIX.values():
-        fn = getattr(lib, f"int8_linear_{suffix}")
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.int8_matmul_isa.restype = ctypes.c_int
     lib.int8_matmul_isa.argtypes = []
 
 
-def int8_matmul_acc(xq: torch.Tensor, wq: torch.Tensor,
+def int8_matmul_acc(xq: torch.Tensor, wq: torch.Tensor, out: torch.Tensor | None = None,
                     lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The exact int32 sums ``xq @ wq.T`` of int8 ``xq`` ``[m, k]`` and ``wq`` ``[n, k]``
-    (what ``torch._int_mm(xq, wq.t())`` returns)."""
+    (what ``torch._int_mm(xq, wq.t())`` returns), into ``out`` if given."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
     (m, k), n = xq.shape, wq.shape[0]
     assert xq.is_contiguous() and wq.is_contiguous() and wq.shape[1] == k
-    out = torch.empty(m, n, dtype=torch.int32)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.int32)
+    assert out.shape == (m, n) and out.dtype == torch.int32 and out.is_contiguous()
     if lib.int8_matmul_acc(xq.data_ptr(), wq.data_ptr(), out.data_ptr(), m, n, k) != 0:
         raise MemoryError("int8 matmul could not allocate its scratch space")
     return out
-
-
-def int8_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                bias: torch.Tensor | None, dtype: torch.dtype,
-                lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``(xq @ wq.T) * sx[:, None] * sw[None, :] + bias`` in ``dtype`` (float32 or
-    bfloat16), the integer sums exact, in one call."""
-    lib = lib or kernel_library()
-    assert lib is not None, "call supports() first"
-    (m, k), n = xq.shape, wq.shape[0]
-    assert xq.is_contiguous() and wq.is_contiguous() and (bias is None or bias.dtype == dtype)
-    y = torch.empty(m, n, dtype=dtype)
-    rc = getattr(lib, f"int8_linear_{_DTYPE_SUFFIX[dtype]}")(
-        xq.data_ptr(), sx.data_ptr(), wq.data_ptr(), sw.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
-    if rc != 0:
-        raise MemoryError("int8 matmul could not allocate its scratch space")
-    return y
 
 
 def int8_matmul_isa(lib: ctypes.CDLL | None = None) -> str:

@@ -11,8 +11,8 @@
  * byte once per pass, and pairs of int16 products are summed into int32 lanes (madd), which
  * cannot overflow for |q| <= 127 and k < 2^16 (127 * 127 * 2 * k / 2 < 2^31). The maddubs
  * form (uint8 x int8 into saturating int16) would not be exact for signed activations. So
- * every body returns the integer sums torch._int_mm returns, and the rescale is the same
- * expression as quant_matmul.c's int8_dequant.
+ * every body returns the integer sums torch._int_mm returns, and the rescale after it is
+ * quant_matmul.c's int8_dequant either way.
  *
  * Work: output columns in blocks of 4 weight rows, activation rows in blocks of up to 4, so
  * that each widened weight vector feeds up to 4 rows and each activation vector 4 weight
@@ -23,8 +23,6 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
-
-#include "bf16.h"
 
 #define MB 4 /* activation rows per pass over a block of weight rows */
 #define NB 4 /* weight rows per block */
@@ -142,28 +140,3 @@ int int8_matmul_acc(const int8_t *xq, const int8_t *wq, int32_t *out, int64_t m,
     free(x16);
     return 0;
 }
-
-/* The whole linear: integer sums rescaled by sx[i] * sw[j], plus the bias, in T. */
-#define DEFINE_INT8_LINEAR(T, SFX, LOAD, STORE)                                                   \
-    int int8_linear_##SFX(const int8_t *xq, const float *sx, const int8_t *wq, const float *sw, \
-                          const T *bias, T *y, int64_t m, int64_t n, int64_t k) {               \
-        int32_t *acc = (int32_t *)malloc((size_t)(m * n) * sizeof(int32_t));                   \
-        if (!acc) return -1;                                                                    \
-        if (int8_matmul_acc(xq, wq, acc, m, n, k) != 0) {                                       \
-            free(acc);                                                                          \
-            return -1;                                                                          \
-        }                                                                                       \
-        for (int64_t i = 0; i < m; ++i) {                                                       \
-            const float si = sx[i];                                                             \
-            for (int64_t j = 0; j < n; ++j) {                                                   \
-                const float v = (float)acc[i * n + j] * si * sw[j];                             \
-                y[i * n + j] = STORE(bias ? v + LOAD(bias[j]) : v);                             \
-            }                                                                                   \
-        }                                                                                       \
-        free(acc);                                                                              \
-        return 0;                                                                               \
-    }
-
-#define ID(v) (v)
-DEFINE_INT8_LINEAR(float, f32, ID, ID)
-DEFINE_INT8_LINEAR(uint16_t, bf16, bf16_to_f32, f32_to_bf16)

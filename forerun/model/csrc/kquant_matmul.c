@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp16.h"
 
 #define QK_K 256
 #define MAXM 4      /* activation rows per pass over a weight row */
@@ -96,34 +97,6 @@ static int64_t kblock_bytes(int64_t type) {
     case QT_IQ4_XS: return 136;
     default: return 0;
     }
-}
-
-static inline float fp16_to_f32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal: normalise */
-            exp = 1;
-            while (!(man & 0x400u)) { man <<= 1; --exp; }
-            man &= 0x3ffu;
-            u = sign | ((exp + 112u) << 23) | (man << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 112u) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
 }
 
 /* ---- activations ------------------------------------------------------------------------ */

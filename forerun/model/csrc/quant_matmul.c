@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp16.h"
 
 #define QK 32
 #define GR 16       /* rows per tile */
@@ -66,34 +67,6 @@ static int64_t block_bytes(int64_t type) {
 
 /* Bytes before the quant lines of a tile: the d (and m) of its 16 rows. */
 static inline int64_t tile_header(int64_t type) { return type == QT_Q4_1 ? 64 : 32; }
-
-static inline float fp16_to_f32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal: normalise */
-            exp = 1;
-            while (!(man & 0x400u)) { man <<= 1; --exp; }
-            man &= 0x3ffu;
-            u = sign | ((exp + 112u) << 23) | (man << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 112u) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
-}
 
 /* ---- activations ------------------------------------------------------------------------ */
 /* Row of k floats -> int8 per block of 32, its scale s and s * sum(q). */

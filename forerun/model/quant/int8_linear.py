@@ -93,10 +93,9 @@ class Int8Linear(nn.Module):
             inv = torch.where(sx > 0, 1.0 / sx, torch.zeros_like(sx))
             xq = torch.round(xf * inv[:, None]).to(torch.int8)
         if kernels and _own_kernel_for(xq.shape[0]):
-            y = cpu_kernels.int8_linear(xq, sx, self.weight_q, self.weight_scale, self.bias,
-                                        x.dtype)
-            return y.reshape(*x.shape[:-1], self.out_features)
-        if kernels:
+            acc = cpu_kernels.int8_matmul_acc(
+                xq, self.weight_q, _int32_workspace(xq.shape[0], self.out_features))
+        elif kernels:
             acc = torch._int_mm(xq, self.weight_q.t(),
                                 out=_int32_workspace(xq.shape[0], self.out_features))
         else:
