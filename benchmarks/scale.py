@@ -391,18 +391,24 @@ def measure_generate(llm: Any, sampling_params: Callable[..., Any], spec: dict[s
             raise RuntimeError(f"{got} tokens out, expected {n * out_len}")
         return elapsed
 
+    t0 = time.perf_counter()
     wall(1, plen, 1)  # warm-up: kernels, allocator, the prompt and batch shapes
     wall(batch, dlen, 4)
+    _log(f"warm-up {time.perf_counter() - t0:.1f} s")
     quiet = [check_quiet("prompt")]
     prompt = [wall(1, plen, 1) for _ in range(reps)]
+    _log(f"prompt {plen}: {', '.join(f'{plen / w:.1f}' for w in prompt)} tok/s")
     quiet.append(check_quiet("decode"))
     one, full = [], []
     for _ in range(reps):
         one.append(wall(1, dlen, 1))
         full.append(wall(1, dlen, dlen))
+    decode_ms = [1e3 * (f - o) / (dlen - 1) for f, o in zip(full, one, strict=True)]
+    _log(f"decode: {', '.join(f'{ms:.2f}' for ms in decode_ms)} ms/token")
     quiet.append(check_quiet("batch"))
     batched = [wall(batch, dlen, dlen) for _ in range(reps)]
-    decode_ms = [1e3 * (f - o) / (dlen - 1) for f, o in zip(full, one, strict=True)]
+    _log(f"batch {batch} x {dlen}: {', '.join(f'{batch * dlen / w:.1f}' for w in batched)}"
+         " tok/s")
     ms = statistics.median(decode_ms)
     return {"prompt_tok_s": statistics.median(plen / w for w in prompt),
             "decode_ms_per_token": ms, "decode_tok_s": 1e3 / ms,
@@ -419,6 +425,7 @@ def forerun_worker(spec: dict[str, Any]) -> dict[str, Any]:
               max_model_len=spec["max_model_len"], max_num_seqs=spec["batch"],
               kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=spec["seed"])
     load_s = time.perf_counter() - t0
+    _log(f"loaded {spec['model']} in {load_s:.1f} s")
     try:
         model = llm.llm_engine.executor.runner.model
         result = measure_generate(llm, SamplingParams, spec)
@@ -545,8 +552,8 @@ def run_shape(files: ShapeFiles, types: list[str], args: argparse.Namespace
             if not model.exists():
                 rows.append(row(shape, "forerun", label, error=f"{model} missing"))
                 continue
-            _log(f"{shape.name}: forerun {label}")
             tag = label.split()[0]
+            _log(f"{shape.name}: forerun {label} (log: {logs / f'forerun-{tag}.log'})")
             try:
                 r = run_worker("forerun", engine_spec(shape, args, model, dtype, quant),
                                sys.executable, logs / f"forerun-{tag}.log")
@@ -571,8 +578,8 @@ def run_shape(files: ShapeFiles, types: list[str], args: argparse.Namespace
                 rows.append(row(shape, "llama.cpp", t, file=str(gguf), error=err[-2000:]))
                 continue
             rows.append(row(shape, "llama.cpp", t, file=str(gguf),
-                            step_weight_bytes=gguf_step_bytes(gguf), **bench,
-                            **{**batched, "load": bench["load"] + batched["load"]}))
+                            step_weight_bytes=gguf_step_bytes(gguf),
+                            **{**bench, **batched, "load": bench["load"] + batched["load"]}))
     if "vllm" in args.engines and args.vllm_python and "bf16" in types:
         _log(f"{shape.name}: vLLM bf16")
         try:
