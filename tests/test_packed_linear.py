@@ -34,6 +34,7 @@ def test_packed_linear_keeps_leading_dimensions() -> None:
     assert torch.equal(out, F.linear(x, w))
 
 
+@needs_prepack
 def test_prepack_linears_replaces_every_linear_and_nothing_else() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4)))
     model = model.bfloat16()
