@@ -28,3 +28,29 @@ def build_quant_variant(march: str, out_dir: Path, source: str = "quant_matmul.c
     lib = ctypes.CDLL(str(target))
     bind(lib)
     return lib
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``); empty where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_variants(tmp: Path, variants: dict[str, set[str]], source: str,
+                   bind: Callable[[ctypes.CDLL], None]) -> dict[str, ctypes.CDLL | None]:
+    """Loaded builds of ``csrc/<source>`` for each ``-march`` in ``variants`` whose CPU flags
+    this machine has (``native`` -> None: the kernel library itself)."""
+    libs: dict[str, ctypes.CDLL | None] = {"native": None}
+    flags = cpu_flags()
+    for march, needs in variants.items():
+        if needs <= flags:
+            try:
+                libs[march] = build_quant_variant(march, tmp, source, bind)
+            except RuntimeError:  # the compiler does not know this -march
+                continue
+    return libs

@@ -12,7 +12,7 @@ import torch
 from forerun.model import cpu_kernels
 from forerun.model.quant import int8_linear
 from forerun.model.quant.int8_linear import Int8Linear
-from tests.kernel_variants import build_quant_variant
+from tests.kernel_variants import build_variants
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernel_library() is None,
                                 reason="no C kernels here")
@@ -23,28 +23,11 @@ SHAPES = [(1, 7, 33), (1, 64, 2048), (2, 5, 16), (3, 9, 100), (4, 8, 64), (5, 13
           (64, 67, 256), (64, 4, 31)]
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.fixture(scope="module")
 def bodies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | None]:
     """Loaded builds of int8_matmul.c per body this CPU runs; None is the kernel library."""
-    libs: dict[str, ctypes.CDLL | None] = {"native": None}
-    out: Path = tmp_path_factory.mktemp("int8-variants")
-    flags = _cpu_flags()
-    for march, needs in _VARIANTS.items():
-        if needs <= flags:
-            try:
-                libs[march] = build_quant_variant(march, out, "int8_matmul.c",
-                                                  cpu_kernels.bind_int8_kernels)
-            except RuntimeError:  # the compiler does not know this -march
-                continue
-    return libs
+    return build_variants(tmp_path_factory.mktemp("int8-variants"), _VARIANTS, "int8_matmul.c",
+                          cpu_kernels.bind_int8_kernels)
 
 
 def test_each_variant_is_the_body_it_was_built_for(bodies) -> None:

@@ -23,23 +23,13 @@ from forerun.model import cpu_kernels
 from forerun.model.quant import resident_weight_bytes
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.kquant_blocks import dequantize_krows, kquant_matmul_torch
-from tests.kernel_variants import build_quant_variant
+from tests.kernel_variants import build_quant_variant, build_variants, cpu_flags
 from tests.kquant_pack import BLOCK_BYTES, pack_kquant, random_kblocks
 
 KTYPES = [GT.Q4_K, GT.Q6_K, GT.Q5_K, GT.Q3_K, GT.Q2_K, GT.IQ4_XS]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n and m, k one super-block and many.
 SHAPES = [(1, 37, 256), (1, 96, 1024), (3, 17, 768), (5, 1, 512), (64, 45, 256),
           (64, 8, 1536)]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 # -march -> the CPU flags its body needs.
@@ -53,17 +43,8 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL 
     """Loaded libraries per path name; None is the kernel library's native build."""
     if cpu_kernels.kernel_library() is None:
         return {}
-    libs: dict[str, ctypes.CDLL | None] = {"native": None}
-    flags = _cpu_flags()
-    out = tmp_path_factory.mktemp("kquant-variants")
-    for march, needs in _VARIANTS.items():
-        if needs <= flags:
-            try:
-                libs[march] = build_quant_variant(march, out, "kquant_matmul.c",
-                                                  cpu_kernels.bind_kquant_kernels)
-            except RuntimeError:  # the compiler does not know this -march
-                continue
-    return libs
+    return build_variants(tmp_path_factory.mktemp("kquant-variants"), _VARIANTS,
+                          "kquant_matmul.c", cpu_kernels.bind_kquant_kernels)
 
 
 def _paths(variants: dict[str, ctypes.CDLL | None]) -> list[tuple[str, ctypes.CDLL | None]]:
@@ -129,7 +110,7 @@ def test_every_available_body_was_checked(variants) -> None:
         pytest.skip("no C compiler here: only the torch fallback runs")
     isas = {cpu_kernels.kquant_matmul_isa(lib) for lib in variants.values()}
     assert "c" in isas  # the plain-C body runs on any x86-64
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags:
         assert "avx2" in isas
     if {"avx512_vnni", "avx512vl"} <= flags:

@@ -8,7 +8,6 @@ checked, besides the kernel library's native build and the pure-torch fallback.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,21 +20,11 @@ from forerun.model.quant import resident_weight_bytes, validate_quantization
 from forerun.model.quant.gguf_blocks import dequantize_rows, gguf_matmul_torch
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear, quantize_weight_int8
-from tests.kernel_variants import build_quant_variant
+from tests.kernel_variants import build_variants, cpu_flags
 
 QTYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n, k one block and many.
 SHAPES = [(1, 37, 32), (1, 96, 576), (3, 17, 160), (64, 45, 96), (64, 8, 1536)]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 # -march -> the CPU flags its body needs.
@@ -48,16 +37,8 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL 
     """Loaded libraries per path name; None is the kernel library's native build."""
     if cpu_kernels.kernel_library() is None:
         return {}
-    libs: dict[str, ctypes.CDLL | None] = {"native": None}
-    flags = _cpu_flags()
-    out = tmp_path_factory.mktemp("quant-variants")
-    for march, needs in _VARIANTS.items():
-        if needs <= flags:
-            try:
-                libs[march] = build_quant_variant(march, out)
-            except RuntimeError:  # the compiler does not know this -march
-                continue
-    return libs
+    return build_variants(tmp_path_factory.mktemp("quant-variants"), _VARIANTS,
+                          "quant_matmul.c", cpu_kernels.bind_quant_kernels)
 
 
 def _linear(qtype: GT, n: int, k: int, seed: int) -> tuple[GGUFLinear, np.ndarray]:
@@ -118,7 +99,7 @@ def test_every_available_body_was_checked(variants) -> None:
         pytest.skip("no C compiler here: only the torch fallback runs")
     isas = {cpu_kernels.quant_matmul_isa(lib) for lib in variants.values()}
     assert "c" in isas  # the plain-C body runs on any x86-64
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags:
         assert "avx2" in isas
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags:
