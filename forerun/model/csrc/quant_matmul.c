@@ -43,6 +43,7 @@
 #define MAXM 4      /* rows of x per pass over a group of weight rows */
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
 #define MAXPARTS 4
+#define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 }; /* ggml's type ids */
 
@@ -160,54 +161,109 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 #define DOT_U8S8(acc, u, a) \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)))
 #endif
-/* Eight rows per 256-bit vector: half h of a tile's 64-byte line holds rows 8h..8h+7. */
-static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
-                       const float *sa, const float *ssa, int64_t k, int64_t m,
-                       float out[MAXM][GR]) {
+/* Eight rows per 256-bit vector: half h of a tile's 64-byte line holds rows 8h..8h+7. Both
+ * halves in one pass over the blocks (two independent float chains per activation row);
+ * m is a compile-time constant in each instance (see group_rows), so every accumulator
+ * stays in a register (with m a runtime count they lived on the stack: 1.5x slower). */
+static inline __attribute__((always_inline)) void group_rows_m(
+    int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa, const float *sa,
+    const float *ssa, int64_t k, const int m, float out[MAXM][GR]) {
     const int64_t tb = GR * block_bytes(type), hdr = tile_header(type);
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256 cd = _mm256_set1_ps(-8.f);
-    for (int h = 0; h < 2; ++h) {
-        __m256 acc[MAXM];
-        for (int64_t i = 0; i < m; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *t = tiles + b * tb, *lines = t + hdr + 32 * h;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
-            __m256i dot[MAXM];
-            for (int64_t i = 0; i < m; ++i) dot[i] = _mm256_setzero_si256();
-            if (type == QT_Q8_0) {
-                for (int j = 0; j < 8; ++j) {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(lines + 64 * j));
+    (void)ones; /* unused with VNNI */
+    __m256 acc[2][MAXM];
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < m; ++i) acc[h][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *t = tiles + b * tb, *lines = t + hdr;
+        /* Software prefetch on top of the hardware's: 24 -> 27 GB/s for a 2048 x 8192 Q4_0
+         * GEMV on 2 cores with the weights in DRAM. */
+        for (int64_t o = 0; o < tb; o += 64)
+            _mm_prefetch((const char *)(t + PREFETCH_TILES * tb + o), _MM_HINT_T0);
+        __m256i dot[2][MAXM];
+        if (type == QT_Q8_0) {
+            for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < m; ++i) dot[h][i] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                __m256i a[MAXM];
+                for (int i = 0; i < m; ++i)
+                    a[i] = _mm256_set1_epi32(act4(qa + i * k + b * QK + 4 * j));
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i q =
+                        _mm256_loadu_si256((const __m256i *)(lines + 64 * j + 32 * h));
                     const __m256i u = _mm256_sign_epi8(q, q); /* |q|; q's sign goes onto a */
-                    for (int64_t i = 0; i < m; ++i) {
-                        const __m256i a = _mm256_set1_epi32(act4(qa + i * k + b * QK + 4 * j));
-                        dot[i] = DOT_U8S8(dot[i], u, _mm256_sign_epi8(a, q));
-                    }
+                    for (int i = 0; i < m; ++i)
+                        dot[h][i] = DOT_U8S8(dot[h][i], u, _mm256_sign_epi8(a[i], q));
                 }
-            } else {
-                for (int j = 0; j < 4; ++j) {
-                    const __m256i l = _mm256_loadu_si256((const __m256i *)(lines + 64 * j));
+            }
+        } else {
+            /* Without VNNI the 8 byte-pair products of a block are summed in int16
+             * (8 * 2 * 15 * 127 < 32767) and widened by one madd. */
+#if ISA == 2
+            for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < m; ++i) dot[h][i] = _mm256_setzero_si256();
+#else
+            __m256i s16[2][MAXM];
+            for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < m; ++i) s16[h][i] = _mm256_setzero_si256();
+#endif
+            for (int j = 0; j < 4; ++j) {
+                __m256i alo[MAXM], ahi[MAXM];
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * QK;
+                    alo[i] = _mm256_set1_epi32(act4(a + 4 * j));
+                    ahi[i] = _mm256_set1_epi32(act4(a + 16 + 4 * j));
+                }
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i l =
+                        _mm256_loadu_si256((const __m256i *)(lines + 64 * j + 32 * h));
                     const __m256i u0 = _mm256_and_si256(l, low4);
                     const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
-                    for (int64_t i = 0; i < m; ++i) {
-                        const int8_t *a = qa + i * k + b * QK;
-                        dot[i] = DOT_U8S8(dot[i], u0, _mm256_set1_epi32(act4(a + 4 * j)));
-                        dot[i] = DOT_U8S8(dot[i], u1, _mm256_set1_epi32(act4(a + 16 + 4 * j)));
+                    for (int i = 0; i < m; ++i) {
+#if ISA == 2
+                        dot[h][i] = DOT_U8S8(DOT_U8S8(dot[h][i], u0, alo[i]), u1, ahi[i]);
+#else
+                        s16[h][i] = _mm256_add_epi16(
+                            s16[h][i], _mm256_add_epi16(_mm256_maddubs_epi16(u0, alo[i]),
+                                                        _mm256_maddubs_epi16(u1, ahi[i])));
+#endif
                     }
                 }
             }
+#if ISA != 2
+            for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < m; ++i) dot[h][i] = _mm256_madd_epi16(s16[h][i], ones);
+#endif
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
             __m256 c = _mm256_setzero_ps(); /* Q8_0 here: u = |q| with q's sign on a, c = 0 */
             if (type == QT_Q4_1)
                 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * h)));
             else if (type == QT_Q4_0)
                 c = _mm256_mul_ps(d, cd);
-            for (int64_t i = 0; i < m; ++i) {
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]),
-                                         _mm256_mul_ps(d, _mm256_set1_ps(sa[i * nb + b])), acc[i]);
-                acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(ssa[i * nb + b]), acc[i]);
+            for (int i = 0; i < m; ++i) {
+                acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][i]),
+                                            _mm256_mul_ps(d, _mm256_set1_ps(sa[i * nb + b])),
+                                            acc[h][i]);
+                if (type != QT_Q8_0)
+                    acc[h][i] = _mm256_fmadd_ps(c, _mm256_set1_ps(ssa[i * nb + b]), acc[h][i]);
             }
         }
-        for (int64_t i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[h][i]);
+}
+
+static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
+                       const float *sa, const float *ssa, int64_t k, int64_t m,
+                       float out[MAXM][GR]) {
+    switch (m) {
+    case 1: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 1, out); return;
+    case 2: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 2, out); return;
+    case 3: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 3, out); return;
+    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
     }
 }
 #else
