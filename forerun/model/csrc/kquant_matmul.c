@@ -50,6 +50,7 @@
 #define MAXM 4      /* activation rows per pass over a weight row */
 #define MCHUNK 256  /* activation rows whose quantized values stay cache-resident together */
 #define MAXPARTS 4
+#define PREFETCH_BLOCKS 8 /* super-blocks ahead of the one being read (AVX2 body) */
 
 enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
 
@@ -433,15 +434,21 @@ static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16]
 
 #endif
 
-/* out[i] = weight row w (nb super-blocks of type) . activation row a[i], i < m. */
-static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, int64_t m,
-                    float *out) {
+/* out[i] = weight row w (nb super-blocks of type) . activation row a[i], i < m; m is a
+ * compile-time constant in each instance (row_dot below), so the accumulators stay in
+ * registers. */
+static inline __attribute__((always_inline)) void row_dot_m(
+    int64_t type, const uint8_t *w, int64_t nb, const act_t *a, const int m, float *out) {
     const int64_t bb = kblock_bytes(type);
 #if ISA >= 1
     __m256 acc[MAXM], fix[MAXM];
     for (int64_t i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = w + b * bb;
+        /* Software prefetch on top of the hardware's (rows are read one after another):
+         * Q6_K 2048 x 8192 GEMV 17 -> 19 GB/s on 2 cores with the weights in DRAM. */
+        for (int64_t o = 0; o < bb; o += 64)
+            _mm_prefetch((const char *)(blk + PREFETCH_BLOCKS * bb + o), _MM_HINT_T0);
         __m256 sc[2], mn[2];
         float d, dmin;
         block_factors(type, blk, sc, mn, &d, &dmin);
@@ -501,6 +508,16 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
         }
     }
 #endif
+}
+
+static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, int64_t m,
+                    float *out) {
+    switch (m) {
+    case 1: row_dot_m(type, w, nb, a, 1, out); return;
+    case 2: row_dot_m(type, w, nb, a, 2, out); return;
+    case 3: row_dot_m(type, w, nb, a, 3, out); return;
+    default: row_dot_m(type, w, nb, a, 4, out); return;
+    }
 }
 
 /* 3: AVX512-VNNI (256-bit), 2: AVX-VNNI, 1: AVX2 (maddubs), 0: plain C (tests, logs). */
