@@ -11,20 +11,24 @@ from forerun import envs
 from forerun.model import cpu_kernels
 
 
-def build_quant_variant(march: str, out_dir: Path, source: str = "quant_matmul.c",
-                        bind: Callable[[ctypes.CDLL], None] = cpu_kernels.bind_quant_kernels,
+def build_quant_variant(march: str, out_dir: Path,
+                        sources: tuple[str, ...] = cpu_kernels.GGUF_SOURCES,
+                        bind: Callable[[ctypes.CDLL], None] = cpu_kernels.bind_gguf_kernels,
                         ) -> ctypes.CDLL:
-    """``csrc/<source>`` alone, built with ``-march=<march>`` into ``out_dir``, loaded and its
-    entry points typed by ``bind``."""
+    """``csrc/<sources>`` alone, built with ``-march=<march>`` into ``out_dir`` (as
+    ``<first source>-<march>.so``), loaded and its entry points typed by ``bind``."""
     compiler = envs.c_compiler()
-    src = cpu_kernels._CSRC / source
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = Path(source).stem
+    stem = Path(sources[0]).stem
     target = out_dir / f"{stem}-{march}.so"
     flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels._FLAGS]
-    obj = out_dir / f"{stem}-{march}.o"
-    cpu_kernels._run([compiler, *flags, "-c", str(src), "-o", str(obj)])
-    cpu_kernels._run([compiler, *cpu_kernels._LINK_FLAGS, "-o", str(target), str(obj), "-lm"])
+    objects = []
+    for source in sources:
+        obj = out_dir / f"{Path(source).stem}-{march}.o"
+        cpu_kernels._run([compiler, *flags, "-c", str(cpu_kernels._CSRC / source), "-o",
+                          str(obj)])
+        objects.append(str(obj))
+    cpu_kernels._run([compiler, *cpu_kernels._LINK_FLAGS, "-o", str(target), *objects, "-lm"])
     lib = ctypes.CDLL(str(target))
     bind(lib)
     return lib
@@ -41,16 +45,16 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def build_variants(tmp: Path, variants: dict[str, set[str]], source: str,
+def build_variants(tmp: Path, variants: dict[str, set[str]], sources: tuple[str, ...],
                    bind: Callable[[ctypes.CDLL], None]) -> dict[str, ctypes.CDLL | None]:
-    """Loaded builds of ``csrc/<source>`` for each ``-march`` in ``variants`` whose CPU flags
+    """Loaded builds of ``csrc/<sources>`` for each ``-march`` in ``variants`` whose CPU flags
     this machine has (``native`` -> None: the kernel library itself)."""
     libs: dict[str, ctypes.CDLL | None] = {"native": None}
     flags = cpu_flags()
     for march, needs in variants.items():
         if needs <= flags:
             try:
-                libs[march] = build_quant_variant(march, tmp, source, bind)
+                libs[march] = build_quant_variant(march, tmp, sources, bind)
             except RuntimeError:  # the compiler does not know this -march
                 continue
     return libs

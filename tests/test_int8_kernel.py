@@ -26,7 +26,8 @@ SHAPES = [(1, 7, 33), (1, 64, 2048), (2, 5, 16), (3, 9, 100), (4, 8, 64), (5, 13
 @pytest.fixture(scope="module")
 def bodies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | None]:
     """Loaded builds of int8_matmul.c per body this CPU runs; None is the kernel library."""
-    return build_variants(tmp_path_factory.mktemp("int8-variants"), _VARIANTS, "int8_matmul.c",
+    return build_variants(tmp_path_factory.mktemp("int8-variants"), _VARIANTS,
+                          ("int8_matmul.c",),
                           cpu_kernels.bind_int8_kernels)
 
 

@@ -44,7 +44,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL 
     if cpu_kernels.kernel_library() is None:
         return {}
     return build_variants(tmp_path_factory.mktemp("kquant-variants"), _VARIANTS,
-                          "kquant_matmul.c", cpu_kernels.bind_kquant_kernels)
+                          cpu_kernels.GGUF_SOURCES, cpu_kernels.bind_gguf_kernels)
 
 
 def _paths(variants: dict[str, ctypes.CDLL | None]) -> list[tuple[str, ctypes.CDLL | None]]:
@@ -83,9 +83,7 @@ def _run(lin: GGUFLinear, x: torch.Tensor, path: str, lib: ctypes.CDLL | None,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     if path == "torch":
         return kquant_matmul_torch(x, lin.parts, bias)
-    seg = lin._segments[0]
-    assert len(lin._segments) == 1 and seg.kquant
-    return cpu_kernels.kquant_matmul(x.contiguous(), seg.desc, lin.out_features, bias, lib=lib)
+    return cpu_kernels.gguf_matmul(x.contiguous(), lin.desc, lin.out_features, bias, lib=lib)
 
 
 @pytest.mark.parametrize("random_bytes", [False, True], ids=["packed", "random-bytes"])
@@ -126,12 +124,12 @@ def test_vnni_bodies_build(tmp_path: Path, march: str) -> None:
     if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler here")
     try:
-        build_quant_variant(march, tmp_path, "kquant_matmul.c", lambda lib: None)
+        build_quant_variant(march, tmp_path, bind=lambda lib: None)
     except RuntimeError as exc:
         if "march" in str(exc):  # an older compiler without this -march
             pytest.skip(str(exc))
         raise
-    assert (tmp_path / f"kquant_matmul-{march}.so").exists()
+    assert (tmp_path / f"gguf_matmul-{march}.so").exists()
 
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
@@ -170,8 +168,8 @@ def test_fused_parts_of_both_families(variants) -> None:
     bias = torch.randn(44, generator=torch.Generator().manual_seed(1))
     lin = GGUFLinear([(int(t), torch.from_numpy(r.copy())) for t, r in raws], k,
                      torch.nn.Parameter(bias, requires_grad=False))
-    assert [s.kquant for s in lin._segments] == [True, False, True]
-    assert lin.has_kquant and "Q4_K+Q8_0+Q6_K+Q5_K" in repr(lin)
+    assert [run[0] for run in lin._runs] == [True, False, True]  # K-quant, 32-value, K-quant
+    assert "Q4_K+Q8_0+Q6_K+Q5_K" in repr(lin)
     for m in (1, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         xd = x.double().numpy()

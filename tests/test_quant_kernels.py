@@ -38,7 +38,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL 
     if cpu_kernels.kernel_library() is None:
         return {}
     return build_variants(tmp_path_factory.mktemp("quant-variants"), _VARIANTS,
-                          "quant_matmul.c", cpu_kernels.bind_quant_kernels)
+                          cpu_kernels.GGUF_SOURCES, cpu_kernels.bind_gguf_kernels)
 
 
 def _linear(qtype: GT, n: int, k: int, seed: int) -> tuple[GGUFLinear, np.ndarray]:
@@ -76,7 +76,7 @@ def _run(lin: GGUFLinear, x: torch.Tensor, path: str, lib: ctypes.CDLL | None,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     if path == "torch":
         return gguf_matmul_torch(x, lin.parts, bias)
-    return cpu_kernels.quant_matmul(x.contiguous(), lin.desc, lin.out_features, bias, lib=lib)
+    return cpu_kernels.gguf_matmul(x.contiguous(), lin.desc, lin.out_features, bias, lib=lib)
 
 
 def _paths(variants: dict[str, ctypes.CDLL | None]) -> list[tuple[str, ctypes.CDLL | None]]:

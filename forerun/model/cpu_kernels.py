@@ -131,8 +131,7 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
-    bind_quant_kernels(lib)
-    bind_kquant_kernels(lib)
+    bind_gguf_kernels(lib)
     bind_int8_kernels(lib)
     lib.kv_cache_write.restype = ctypes.c_int
     lib.kv_cache_write.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
@@ -384,23 +383,25 @@ def small_matmul_has_amx() -> bool:
     return _amx
 
 
-# ---- quantized weights (csrc/quant_matmul.c) -----------------------------------------------
-QUANT_MAX_PARTS = 4  # MAXPARTS in quant_matmul.c
+# ---- GGUF blocks (csrc/gguf_matmul.c, quant_matmul.c, kquant_matmul.c) -------------------
+QUANT_MAX_PARTS = 4  # QW_MAXPARTS in csrc/qweight.h
+# The files of the GGUF matmul, which a test may build alone for another instruction set.
+GGUF_SOURCES = ("gguf_matmul.c", "quant_matmul.c", "kquant_matmul.c")
 
 
 class QWeightDesc(ctypes.Structure):
-    """``qweight_t`` of quant_matmul.c: a linear weight as row ranges of GGUF blocks."""
+    """``qweight_t`` of csrc/qweight.h: a linear weight as row ranges of GGUF blocks."""
 
     _fields_ = [("nparts", ctypes.c_int64), ("type", ctypes.c_int64 * QUANT_MAX_PARTS),
                 ("rows", ctypes.c_int64 * QUANT_MAX_PARTS),
                 ("data", ctypes.c_void_p * QUANT_MAX_PARTS)]
 
 
-def bind_quant_kernels(lib: ctypes.CDLL) -> None:
-    """Declare the signatures of the quantized-weight kernels on a loaded library (the
-    kernel library, or a test's build of quant_matmul.c alone for another instruction set)."""
+def bind_gguf_kernels(lib: ctypes.CDLL) -> None:
+    """Declare the signatures of the GGUF-block kernels on a loaded library (the kernel
+    library, or a test's build of :data:`GGUF_SOURCES` alone for another instruction set)."""
     for suffix in _DTYPE_SUFFIX.values():
-        fn = getattr(lib, f"quant_matmul_{suffix}")
+        fn = getattr(lib, f"gguf_matmul_{suffix}")
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
         fn = getattr(lib, f"int8_quantize_rows_{suffix}")
@@ -409,73 +410,47 @@ def bind_quant_kernels(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, f"int8_dequant_{suffix}")
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64]
-    lib.quant_matmul_isa.restype = ctypes.c_int
-    lib.quant_matmul_isa.argtypes = []
+    for name in ("quant_matmul_isa", "kquant_matmul_isa"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = []
 
 
-def quant_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,
-                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def gguf_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,
+                lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` (float32 or bfloat16), ``W``
-    ``[n, k]`` the GGUF blocks ``desc`` points to; activations quantized per 32-block."""
+    ``[n, k]`` the GGUF blocks ``desc`` points to (parts of any natively run type)."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
     k = x.shape[-1]
     assert x.is_contiguous() and (bias is None or bias.dtype == x.dtype)
     out = x.new_empty(*x.shape[:-1], n)
-    rc = getattr(lib, f"quant_matmul_{_DTYPE_SUFFIX[x.dtype]}")(
+    rc = getattr(lib, f"gguf_matmul_{_DTYPE_SUFFIX[x.dtype]}")(
         x.data_ptr(), ctypes.addressof(desc), None if bias is None else bias.data_ptr(),
         out.data_ptr(), x.numel() // k, n, k)
     if rc == -1:
-        raise MemoryError("quantized matmul could not allocate its scratch space")
+        raise MemoryError("GGUF matmul could not allocate its scratch space")
     if rc != 0:
-        raise ValueError("quantized matmul: unsupported block type or shape")
+        raise ValueError("GGUF matmul: unsupported block type or shape")
     return out
+
+
+_ISA_NAMES = {3: "avx512vnni", 2: "vnni", 1: "avx2"}
 
 
 def quant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the quantized matmul was built with: ``avx512vnni`` (two blocks per
+    """Which body the 32-value-type kernel was built with: ``avx512vnni`` (two blocks per
     instruction), ``vnni`` (256-bit: AVX-VNNI), ``avx2`` or ``c``."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
-    return {3: "avx512vnni", 2: "vnni", 1: "avx2"}.get(lib.quant_matmul_isa(), "c")
-
-
-def bind_kquant_kernels(lib: ctypes.CDLL) -> None:
-    """Declare the signatures of the K-quant kernels (csrc/kquant_matmul.c) on a loaded
-    library (the kernel library, or a test's build of kquant_matmul.c alone)."""
-    for suffix in _DTYPE_SUFFIX.values():
-        fn = getattr(lib, f"kquant_matmul_{suffix}")
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-    lib.kquant_matmul_isa.restype = ctypes.c_int
-    lib.kquant_matmul_isa.argtypes = []
-
-
-def kquant_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,
-                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` (float32 or bfloat16), ``W``
-    ``[n, k]`` the K-quant rows ``desc`` points to; activations quantized per 32."""
-    lib = lib or kernel_library()
-    assert lib is not None, "call supports() first"
-    k = x.shape[-1]
-    assert x.is_contiguous() and (bias is None or bias.dtype == x.dtype)
-    out = x.new_empty(*x.shape[:-1], n)
-    rc = getattr(lib, f"kquant_matmul_{_DTYPE_SUFFIX[x.dtype]}")(
-        x.data_ptr(), ctypes.addressof(desc), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), x.numel() // k, n, k)
-    if rc == -1:
-        raise MemoryError("K-quant matmul could not allocate its scratch space")
-    if rc != 0:
-        raise ValueError("K-quant matmul: unsupported block type or shape")
-    return out
+    return _ISA_NAMES.get(lib.quant_matmul_isa(), "c")
 
 
 def kquant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the K-quant matmul was built with: ``avx512vnni`` / ``vnni`` (the AVX2
+    """Which body the K-quant kernel was built with: ``avx512vnni`` / ``vnni`` (the AVX2
     body with VNNI byte dot products), ``avx2`` or ``c``."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
-    return {3: "avx512vnni", 2: "vnni", 1: "avx2"}.get(lib.kquant_matmul_isa(), "c")
+    return _ISA_NAMES.get(lib.kquant_matmul_isa(), "c")
 
 
 def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,10 +17,9 @@ the op-by-op path's per-op overhead (decode step of 32 sequences 41 -> 26 ms, of
 sequences 91 -> 78 ms).
 
 With ``quantization="gguf"`` (every layer linear a :class:`GGUFLinear`) the same stack runs
-with the quantized matmul (``csrc/quant_matmul.c``) in place of the small matmul: the
-table's weight addresses are then the linears' block descriptors, no copy is made, and a
-step reads each weight in its GGUF blocks. Linears in K-quants (``csrc/kquant_matmul.c``)
-are not run by the stack: a model with any runs op by op.
+with the GGUF matmul (``csrc/gguf_matmul.c``: the 32-value types and the K-quants alike) in
+place of the small matmul: the table's weight addresses are then the linears' block
+descriptors, no copy is made, and a step reads each weight in its GGUF blocks.
 """
 
 from __future__ import annotations
@@ -102,10 +101,9 @@ class SmallBatchStack:
         return out
 
     def _mode(self) -> bool | None:
-        """True: every layer linear is a GGUFLinear of the 32-value types; False: every one
-        is a plain ``nn.Linear``; None: a mix or another kind (int8, or GGUF K-quants, whose
-        kernel the C stack does not call), which the stack cannot run."""
-        kinds = {(None if m.has_kquant else True) if isinstance(m, GGUFLinear) else False
+        """True: every layer linear is a GGUFLinear; False: every one is a plain
+        ``nn.Linear``; None: a mix or another kind (int8), which the stack cannot run."""
+        kinds = {True if isinstance(m, GGUFLinear) else False
                  if isinstance(m, torch.nn.Linear) else None
                  for _, m in self._layer_linears()}
         if None in kinds or len(kinds) > 1:

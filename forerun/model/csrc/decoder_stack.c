@@ -49,10 +49,10 @@ int small_matmul_f32(const float *, const float *, const float *, float *, int64
                      int64_t);
 int small_matmul_bf16(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
                       int64_t, int64_t);
-int quant_matmul_f32(const float *, const void *, const float *, float *, int64_t, int64_t,
-                     int64_t);
-int quant_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
-                      int64_t, int64_t);
+int gguf_matmul_f32(const float *, const void *, const float *, float *, int64_t, int64_t,
+                    int64_t);
+int gguf_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
+                     int64_t, int64_t);
 int paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *,
                         int64_t, const int64_t *, const int64_t *, float *, int64_t, int64_t,
                         int64_t, int64_t, int64_t, float);
@@ -65,8 +65,8 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
 
 /* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
- * (small_matmul over plain/packed weights, or quant_matmul over GGUF blocks, whose weight
- * "addresses" are qweight_t descriptors: quantization="gguf"), NAME the entry point. */
+ * (small_matmul over plain/packed weights, or gguf_matmul over GGUF blocks of any type,
+ * whose weight "addresses" are qweight_t descriptors: quantization="gguf"), NAME the entry point. */
 #define DEFINE_STACK(T, SFX, MM, NAME)                                                          \
     int NAME(int64_t num_layers, const int64_t *layer_ptrs,                                     \
                             const T *final_norm, T *x, T *residual, int64_t t,                  \
@@ -122,5 +122,5 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
 
 DEFINE_STACK(float, f32, small_matmul_f32, decoder_stack_f32)
 DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, decoder_stack_bf16)
-DEFINE_STACK(float, f32, quant_matmul_f32, decoder_stack_q_f32)
-DEFINE_STACK(uint16_t, bf16, quant_matmul_bf16, decoder_stack_q_bf16)
+DEFINE_STACK(float, f32, gguf_matmul_f32, decoder_stack_q_f32)
+DEFINE_STACK(uint16_t, bf16, gguf_matmul_bf16, decoder_stack_q_bf16)

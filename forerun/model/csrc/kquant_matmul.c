@@ -43,13 +43,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
 #include "fp16.h"
+#include "qweight.h"
 
 #define QK_K 256
 #define MAXM 4      /* activation rows per pass over a weight row */
 #define MCHUNK 256  /* activation rows whose quantized values stay cache-resident together */
-#define MAXPARTS 4
 #define PREFETCH_BLOCKS 8 /* super-blocks ahead of the one being read (AVX2 body) */
 
 enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
@@ -65,14 +64,6 @@ static inline int iq4xs_scale(const uint8_t *blk, int s) {
     return (((blk[4 + s / 2] >> (4 * (s % 2))) & 0x0f) | (high << 4)) - 32;
 }
 
-/* Same layout as quant_matmul.c's qweight_t (cpu_kernels.QWeightDesc): row ranges, each in
- * its own type, rows concatenated; data[p] is part p's rows in the file's layout. */
-typedef struct {
-    int64_t nparts;
-    int64_t type[MAXPARTS];
-    int64_t rows[MAXPARTS];
-    const uint8_t *data[MAXPARTS];
-} qweight_t;
 
 /* One quantized activation row: q[k], and per 16 values (in lane order, below) the scale s
  * of their block of 32 and s times the sum of their 16 q. */
@@ -523,19 +514,18 @@ static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, 
 /* 3: AVX512-VNNI (256-bit), 2: AVX-VNNI, 1: AVX2 (maddubs), 0: plain C (tests, logs). */
 int kquant_matmul_isa(void) { return ISA; }
 
-/* y [m, n] (float32) = xf [m, k] @ W.T: the body shared by both activation dtypes. */
-static int kquant_matmul_core(const float *xf, const qweight_t *w, float *y, int64_t m,
-                              int64_t n, int64_t k) {
-    if (k % QK_K || w->nparts < 1 || w->nparts > MAXPARTS) return -2;
-    int64_t total = 0, first_row[MAXPARTS + 1];
+/* See qweight.h; gguf_matmul.c is the entry point that calls this. */
+int kquant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
+                       int64_t k) {
+    if (k % QK_K || w->nparts < 1 || w->nparts > QW_MAXPARTS) return -2;
+    int64_t total = 0, first_row[QW_MAXPARTS + 1];
     for (int64_t p = 0; p < w->nparts; ++p) {
         if (!kblock_bytes(w->type[p]) || w->rows[p] < 1) return -2;
         first_row[p] = total;
         total += w->rows[p];
     }
     first_row[w->nparts] = total;
-    if (total != n) return -2;
-    const int64_t nb = k / QK_K;
+    const int64_t n = total, nb = k / QK_K;
     /* One allocation: quantized rows, then scales and scaled sums (per 16, lane order). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
     char *scratch = malloc(qbytes + sizeof(float) * (size_t)(2 * m * (k / 16)));
@@ -563,39 +553,11 @@ static int kquant_matmul_core(const float *xf, const qweight_t *w, float *y, int
                                           ssa + (i + t) * (k / 16)};
                     float out[MAXM];
                     row_dot(type, row, nb, acts, mi, out);
-                    for (int64_t t = 0; t < mi; ++t) y[(i + t) * n + r] = out[t];
+                    for (int64_t t = 0; t < mi; ++t) y[(i + t) * ldy + r] = out[t];
                 }
             }
         }
     }
     free(scratch);
     return 0;
-}
-
-/* y [m, n] = x [m, k] @ W.T (+ bias), W a qweight_t of K-quant parts; same signature as
- * quant_matmul_f32. */
-int kquant_matmul_f32(const float *x, const void *w, const float *bias, float *y, int64_t m,
-                      int64_t n, int64_t k) {
-    const int rc = kquant_matmul_core(x, w, y, m, n, k);
-    if (rc == 0 && bias)
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j) y[i * n + j] += bias[j];
-    return rc;
-}
-
-int kquant_matmul_bf16(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                       int64_t m, int64_t n, int64_t k) {
-    float *xf = malloc(sizeof(float) * (size_t)(m * k + m * n));
-    if (!xf) return -1;
-    float *yf = xf + m * k;
-    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_f32(x[i]);
-    const int rc = kquant_matmul_core(xf, w, yf, m, n, k);
-    if (rc == 0) {
-#pragma omp parallel for schedule(static) if (m * n > 65536)
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j)
-                y[i * n + j] = f32_to_bf16(yf[i * n + j] + (bias ? bf16_to_f32(bias[j]) : 0.f));
-    }
-    free(xf);
-    return rc;
 }

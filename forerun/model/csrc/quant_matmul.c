@@ -37,25 +37,16 @@
 
 #include "bf16.h"
 #include "fp16.h"
+#include "qweight.h"
 
 #define QK 32
 #define GR 16       /* rows per tile */
 #define MAXM 4      /* rows of x per pass over a group of weight rows */
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
-#define MAXPARTS 4
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 }; /* ggml's type ids */
 
-/* A linear weight as up to MAXPARTS row ranges, each in its own block type (a fused q/k/v
- * whose GGUF tensors differ in type keeps each part as it is), each in the tile layout above.
- * Rows are concatenated. */
-typedef struct {
-    int64_t nparts;
-    int64_t type[MAXPARTS];
-    int64_t rows[MAXPARTS];
-    const uint8_t *data[MAXPARTS];
-} qweight_t;
 
 static int64_t block_bytes(int64_t type) {
     switch (type) {
@@ -304,12 +295,12 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 /* 3: AVX512-VNNI, 2: AVX-VNNI (256-bit), 1: AVX2, 0: plain C (for tests and logs). */
 int quant_matmul_isa(void) { return ISA; }
 
-/* y [m, n] (float32) = xf [m, k] @ W.T: the body shared by both activation dtypes. */
-static int quant_matmul_core(const float *xf, const qweight_t *w, float *y, int64_t m,
-                             int64_t n, int64_t k) {
-    if (k % QK || w->nparts < 1 || w->nparts > MAXPARTS) return -2;
+/* See qweight.h; gguf_matmul.c is the entry point that calls this. */
+int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
+                      int64_t k) {
+    if (k % QK || w->nparts < 1 || w->nparts > QW_MAXPARTS) return -2;
     int64_t total = 0, groups = 0;
-    int64_t first_group[MAXPARTS + 1], first_row[MAXPARTS];
+    int64_t first_group[QW_MAXPARTS + 1], first_row[QW_MAXPARTS];
     for (int64_t p = 0; p < w->nparts; ++p) {
         if (!block_bytes(w->type[p]) || w->rows[p] < 1) return -2;
         first_group[p] = groups;
@@ -318,7 +309,6 @@ static int quant_matmul_core(const float *xf, const qweight_t *w, float *y, int6
         total += w->rows[p];
     }
     first_group[w->nparts] = groups;
-    if (total != n) return -2;
     const int64_t nb = k / QK;
     /* One allocation: quantized rows, then scales and scaled sums. */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
@@ -348,40 +338,13 @@ static int quant_matmul_core(const float *xf, const qweight_t *w, float *y, int6
                     group_rows(w->type[p], tiles, nb, qa + i * k, sa + i * nb, ssa + i * nb, k,
                                mi, out);
                     for (int64_t t = 0; t < mi; ++t)
-                        memcpy(yc + (i + t) * n, out[t], sizeof(float) * (size_t)rows);
+                        memcpy(yc + (i + t) * ldy, out[t], sizeof(float) * (size_t)rows);
                 }
             }
         }
     }
     free(scratch);
     return 0;
-}
-
-/* y [m, n] = x [m, k] @ W.T (+ bias), W a qweight_t; same signature as small_matmul_*. */
-int quant_matmul_f32(const float *x, const void *w, const float *bias, float *y, int64_t m,
-                     int64_t n, int64_t k) {
-    const int rc = quant_matmul_core(x, w, y, m, n, k);
-    if (rc == 0 && bias)
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j) y[i * n + j] += bias[j];
-    return rc;
-}
-
-int quant_matmul_bf16(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                      int64_t m, int64_t n, int64_t k) {
-    float *xf = malloc(sizeof(float) * (size_t)(m * k + m * n));
-    if (!xf) return -1;
-    float *yf = xf + m * k;
-    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_f32(x[i]);
-    const int rc = quant_matmul_core(xf, w, yf, m, n, k);
-    if (rc == 0) {
-#pragma omp parallel for schedule(static) if (m * n > 65536)
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j)
-                y[i * n + j] = f32_to_bf16(yf[i * n + j] + (bias ? bf16_to_f32(bias[j]) : 0.f));
-    }
-    free(xf);
-    return rc;
 }
 
 /* ---- quantization="int8": the elementwise ends of an int8 x int8 -> int32 GEMM ------------

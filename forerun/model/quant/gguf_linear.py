@@ -3,14 +3,13 @@ file's own blocks: Q8_0 / Q4_0 / Q4_1, and the K-quants Q2_K / Q3_K / Q4_K / Q5_
 IQ4_XS.
 
 The blocks are copied out of the file once, as they are, and never dequantized as a whole:
-the C kernels read them for every matmul, ``csrc/quant_matmul.c`` the 32-value types with
-activations quantized per 32 (why: :mod:`forerun.model.quant.gguf_blocks`), and
-``csrc/kquant_matmul.c`` the K-quants, with activations quantized per 32 as well
-(:mod:`forerun.model.quant.kquant_blocks`). A fused projection whose parts are of both
-families runs one kernel per family and puts the outputs side by side. The single-stream
-path runs the 32-value kernel inside its one-call decoder stack
-(``forerun/model/small_batch.py``), so a decode step reads each weight in its 4.5-8.5 bits;
-models with K-quant linears decode op by op (the stack does not call the K-quant kernel yet).
+the C kernels read them for every matmul through one entry point (``csrc/gguf_matmul.c``):
+``csrc/quant_matmul.c`` the 32-value types with activations quantized per 32 (why:
+:mod:`forerun.model.quant.gguf_blocks`), and ``csrc/kquant_matmul.c`` the K-quants, with
+activations quantized per 32 as well (:mod:`forerun.model.quant.kquant_blocks`). A fused
+projection whose parts are of both families runs one kernel per family, each into its own
+columns. The single-stream path runs the same entry point inside its one-call decoder stack
+(``forerun/model/small_batch.py``), so a decode step reads each weight in its 2.6-8.5 bits.
 
 Embedding and output head: SmolLM2-style models tie them, and the head (vocab x hidden) is a
 fifth of the model's weights, read in full for every sampled token. With quantization="gguf"
@@ -22,8 +21,6 @@ its quantized size.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -54,25 +51,9 @@ KQUANT_TYPES: frozenset[int] = frozenset(KBLOCK_BYTES)
 SUPPORTED_TYPES: frozenset[int] = frozenset(BLOCK_BYTES) | KQUANT_TYPES
 NATIVE_TYPE_NAMES: dict[int, str] = {**TYPE_NAMES, **KTYPE_NAMES}
 
-_Matmul = Callable[[torch.Tensor, list[tuple[int, torch.Tensor]], torch.Tensor | None],
-                   torch.Tensor]
-
 
 def _type_row_bytes(qtype: int, k: int) -> int:
     return krow_bytes(qtype, k) if qtype in KQUANT_TYPES else row_bytes(qtype, k)
-
-
-@dataclass
-class _Segment:
-    """Consecutive parts of one block family: one kernel call over output columns
-    ``start:stop``, parts ``first:first + count``."""
-
-    kquant: bool
-    first: int
-    count: int
-    start: int
-    stop: int
-    desc: cpu_kernels.QWeightDesc
 
 
 class GGUFLinear(nn.Module):
@@ -105,29 +86,26 @@ class GGUFLinear(nn.Module):
         self.tiles = [(qtype, raw.shape[0], raw if qtype in KQUANT_TYPES
                        else repack_tiles(qtype, raw, in_features)) for qtype, raw in parts]
         self.bias = bias
-        # One descriptor per run of parts of the same family (each kernel reads only its
-        # own); _slots[i] is where part i's address is written.
-        self._segments: list[_Segment] = []
-        self._slots: list[tuple[cpu_kernels.QWeightDesc, int]] = []
-        start = 0
-        for i, (qtype, rows, stored) in enumerate(self.tiles):
+        # The descriptor csrc/gguf_matmul.c reads (and the one-call decoder stack's table
+        # holds): every part, each kernel family run by its kernel.
+        self.desc = cpu_kernels.QWeightDesc()
+        self.desc.nparts = len(self.tiles)
+        for slot, (qtype, rows, stored) in enumerate(self.tiles):
+            self.desc.type[slot] = qtype
+            self.desc.rows[slot] = rows
+            self.desc.data[slot] = stored.data_ptr()
+        # Runs of parts of one family, (kquant, first part, stop part, first column, stop
+        # column): the torch fallback calls each family's function once per run.
+        self._runs: list[tuple[bool, int, int, int, int]] = []
+        col = 0
+        for i, (qtype, rows, _) in enumerate(self.tiles):
             kq = qtype in KQUANT_TYPES
-            if not self._segments or self._segments[-1].kquant != kq:
-                self._segments.append(_Segment(kq, i, 0, start, start,
-                                               cpu_kernels.QWeightDesc()))
-            seg = self._segments[-1]
-            slot = seg.count
-            seg.desc.type[slot] = qtype
-            seg.desc.rows[slot] = rows
-            seg.desc.data[slot] = stored.data_ptr()
-            seg.count += 1
-            seg.desc.nparts = seg.count
-            seg.stop = start = start + rows
-            self._slots.append((seg.desc, slot))
-        # The 32-value descriptor the one-call decoder stack reads (small_batch.py), valid
-        # where every part is of that family (see has_kquant).
-        self.desc = self._segments[0].desc
-        self.has_kquant = any(seg.kquant for seg in self._segments)
+            if self._runs and self._runs[-1][0] == kq:
+                _, first, _, start, _ = self._runs[-1]
+                self._runs[-1] = (kq, first, i + 1, start, col + rows)
+            else:
+                self._runs.append((kq, i, i + 1, col, col + rows))
+            col += rows
 
     @property
     def parts(self) -> list[tuple[int, torch.Tensor]]:
@@ -136,26 +114,22 @@ class GGUFLinear(nn.Module):
                  else tiles_to_blocks(qtype, stored, rows, self.in_features))
                 for qtype, rows, stored in self.tiles]
 
-    def _run(self, seg: _Segment, x: torch.Tensor, bias: torch.Tensor | None,
-             fast: bool) -> torch.Tensor:
-        if fast:
-            kernel = cpu_kernels.kquant_matmul if seg.kquant else cpu_kernels.quant_matmul
-            return kernel(x, seg.desc, seg.stop - seg.start,
-                          None if bias is None else bias.contiguous())
-        torch_fn: _Matmul = kquant_matmul_torch if seg.kquant else gguf_matmul_torch
-        return torch_fn(x, self.parts[seg.first:seg.first + seg.count], bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias
-        fast = cpu_kernels.supports(x.dtype, x.device) and (bias is None or
-                                                             bias.dtype == x.dtype)
-        if fast:
-            x = x.contiguous()
-        if len(self._segments) == 1:
-            return self._run(self._segments[0], x, bias, fast)
+        if cpu_kernels.supports(x.dtype, x.device) and (bias is None or bias.dtype == x.dtype):
+            return cpu_kernels.gguf_matmul(x.contiguous(), self.desc, self.out_features,
+                                           None if bias is None else bias.contiguous())
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The same function in torch (the fallback, and the kernels' reference)."""
+        bias = self.bias
+        parts = self.parts
+        outs = [(kquant_matmul_torch if kq else gguf_matmul_torch)(
+                    x, parts[first:stop], None if bias is None else bias[start:stop_col])
+                for kq, first, stop, start, stop_col in self._runs]
         # Each family's columns with their share of the bias, rounded once to x's dtype.
-        return torch.cat([self._run(seg, x, None if bias is None else bias[seg.start:seg.stop],
-                                    fast) for seg in self._segments], dim=-1)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, in_features]`` weight rows ``ids`` (single-part linears)."""
@@ -176,8 +150,8 @@ class GGUFLinear(nn.Module):
         assert [t.shape for t in tiles] == [t.shape for t in self.resident_tensors()]
         self.tiles = [(qtype, rows, new) for (qtype, rows, _), new in
                       zip(self.tiles, tiles, strict=True)]
-        for (desc, slot), new in zip(self._slots, tiles, strict=True):
-            desc.data[slot] = new.data_ptr()
+        for slot, new in enumerate(tiles):
+            self.desc.data[slot] = new.data_ptr()
 
     def extra_repr(self) -> str:
         types = "+".join(NATIVE_TYPE_NAMES[t] for t, _, _ in self.tiles)
@@ -245,10 +219,6 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tenso
     if kept:
         logger.info("quantization=gguf: %d linears have a part in a type not run natively "
                     "and load dequantized, e.g. %s", len(kept), kept[0])
-    if any(isinstance(m, GGUFLinear) and m.has_kquant for m in model.modules()):
-        logger.info("quantization=gguf: K-quant linears run with csrc/kquant_matmul.c; "
-                    "decode steps run layer by layer (the one-call decoder stack reads the "
-                    "32-value types only)")
     emb_name = "model.embed_tokens.weight"
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if emb_name in blocks and isinstance(embed, nn.Embedding):

@@ -1,0 +1,29 @@
+/* A linear weight held as GGUF blocks (quantization="gguf"), as the kernels of
+ * quant_matmul.c (the 32-value types), kquant_matmul.c (the K-quants) and gguf_matmul.c (the
+ * entry point that takes either) read it; cpu_kernels.QWeightDesc in Python.
+ *
+ * Up to QW_MAXPARTS row ranges, rows concatenated, each in its own ggml block type: a fused
+ * q/k/v or gate/up whose GGUF tensors differ in type keeps each part as it is. data[p] is
+ * part p's bytes: the 32-value types regrouped in tiles of 16 rows (quant_matmul.c), the
+ * K-quants as the file's rows. */
+#ifndef FORERUN_QWEIGHT_H
+#define FORERUN_QWEIGHT_H
+#include <stdint.h>
+
+#define QW_MAXPARTS 4
+
+typedef struct {
+    int64_t nparts;
+    int64_t type[QW_MAXPARTS];
+    int64_t rows[QW_MAXPARTS];
+    const uint8_t *data[QW_MAXPARTS];
+} qweight_t;
+
+/* y[i * ldy + r] = row r of w . xf[i], for the m rows of xf [m, k] (float32) and every row
+ * r of w, whose parts must all be of the kernel's family; 0, -1 (no memory) or -2 (a type
+ * or shape it does not take). */
+int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
+                      int64_t k);
+int kquant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
+                       int64_t k);
+#endif
