@@ -2,8 +2,9 @@
  * entry point of quantization="gguf": GGUFLinear, and the one-call decoder stack).
  *
  * The weight's parts (qweight.h) are taken in runs of one kernel family, each run computed
- * by its kernel into its own columns of y: the 32-value types (Q4_0, Q4_1, Q8_0) by
- * quant_matmul.c, the 256-value K-quants (Q2_K-Q6_K, IQ4_XS) by kquant_matmul.c. A fused
+ * by its kernel into its own columns of y: the types held in row-interleaved tiles (Q4_0,
+ * Q4_1, Q8_0, Q4_K) by quant_matmul.c, the other K-quants (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS)
+ * by kquant_matmul.c, which reads the file's rows. A fused
  * projection whose parts come from both families (rare: some files keep one tensor in
  * Q8_0) quantizes the activations once per run. bfloat16 activations are widened once,
  * and the bias is added, in float32.
@@ -15,8 +16,10 @@
 #include "bf16.h"
 #include "qweight.h"
 
+/* The types kquant_matmul.c reads as the file's rows: Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS. The
+ * rest (Q4_0, Q4_1, Q8_0, and Q4_K in its own tiles) are quant_matmul.c's. */
 static int is_kquant(int64_t type) {
-    return (type >= 10 && type <= 14) || type == 23; /* Q2_K..Q6_K, IQ4_XS */
+    return type == 10 || type == 11 || type == 13 || type == 14 || type == 23;
 }
 
 /* y [m, n] (float32, row stride n) = xf [m, k] @ W.T, run by run. */

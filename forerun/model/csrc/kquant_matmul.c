@@ -1,5 +1,6 @@
-/* y = x @ W.T (+ bias) with W in GGUF's 256-value super-blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
- * and IQ4_XS): the matmuls of quantization="gguf" for those types (CPU).
+/* y = x @ W.T (+ bias) with W in GGUF's 256-value super-blocks (Q2_K, Q3_K, Q5_K, Q6_K and
+ * IQ4_XS) as the file's rows: the matmuls of quantization="gguf" for those types (CPU). Q4_K
+ * runs in row-interleaved tiles (quant_matmul.c), its format is given here for Q5_K's sake.
  *
  * The formats, per super-block of 256 values of a weight row (ggml's layouts; byte offsets):
  *   Q2_K  84 B: scales[16] (lo nibble scale, hi nibble min, per 16 values), qs[64], d, dmin
@@ -51,7 +52,7 @@
 #define MCHUNK 256  /* activation rows whose quantized values stay cache-resident together */
 #define PREFETCH_BLOCKS 8 /* super-blocks ahead of the one being read (AVX2 body) */
 
-enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
+enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
 
 /* IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl). */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -83,7 +84,6 @@ static int64_t kblock_bytes(int64_t type) {
     switch (type) {
     case QT_Q2_K: return 84;
     case QT_Q3_K: return 110;
-    case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;
     case QT_Q6_K: return 210;
     case QT_IQ4_XS: return 136;
@@ -175,7 +175,6 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
     /* 16 sub-block bytes in natural order -> lane order. */
     const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     switch (type) {
-    case QT_Q4_K:
     case QT_Q5_K: {
         *d = fp16_to_f32(blk);
         *dmin = fp16_to_f32(blk + 2);
@@ -206,7 +205,7 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
     case QT_IQ4_XS: {
         *d = fp16_to_f32(blk);
         *dmin = 0.f;
-        uint64_t lo = 0, hi = 0; /* per 32 values, lane order as for Q4_K */
+        uint64_t lo = 0, hi = 0; /* per 32 values, lane order as for Q5_K */
         for (int s = 0; s < 4; ++s) {
             lo |= (uint64_t)(uint8_t)iq4xs_scale(blk, s) << (8 * s);
             hi |= (uint64_t)(uint8_t)iq4xs_scale(blk, s + 4) << (8 * s);
@@ -278,20 +277,17 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, __m256i u[8]) {
         }
         return -1;
     }
-    case QT_Q4_K:
     case QT_Q5_K: {
-        const uint8_t *qs = blk + (type == QT_Q5_K ? 48 : 16);
+        const uint8_t *qs = blk + 48;
         for (int j = 0; j < 4; ++j) {
             const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             u[2 * j] = _mm256_and_si256(l, m4);
             u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
         }
-        if (type == QT_Q5_K) {
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            for (int s = 0; s < 8; ++s) { /* bit s of qh[i] is bit 4 of value 32s + i */
-                u[s] = _mm256_or_si256(u[s], _mm256_slli_epi16(_mm256_and_si256(qh, m1), 4));
-                qh = _mm256_srli_epi16(qh, 1);
-            }
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        for (int s = 0; s < 8; ++s) { /* bit s of qh[i] is bit 4 of value 32s + i */
+            u[s] = _mm256_or_si256(u[s], _mm256_slli_epi16(_mm256_and_si256(qh, m1), 4));
+            qh = _mm256_srli_epi16(qh, 1);
         }
         return 0;
     }
@@ -342,14 +338,12 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
         for (int v = 0; v < QK_K; ++v)
             u[v] = IQ4_LEVELS[(blk[8 + 16 * (v / 32) + v % 16] >> (4 * ((v % 32) / 16))) & 0x0f];
         return 0;
-    case QT_Q4_K:
     case QT_Q5_K: {
-        const uint8_t *qs = blk + (type == QT_Q5_K ? 48 : 16), *qh = blk + 16;
+        const uint8_t *qs = blk + 48, *qh = blk + 16;
         for (int s = 0; s < 8; ++s)
-            for (int i = 0; i < 32; ++i) {
-                u[32 * s + i] = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0f;
-                if (type == QT_Q5_K) u[32 * s + i] |= ((qh[i] >> s) & 1) << 4;
-            }
+            for (int i = 0; i < 32; ++i)
+                u[32 * s + i] = ((qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0f) |
+                                (((qh[i] >> s) & 1) << 4);
         return 0;
     }
     case QT_Q6_K:
@@ -374,13 +368,12 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
 #endif
 
 #if ISA == 0
-/* Sub-block scales and mins of one super-block, per 16 values (Q4_K/Q5_K's per-32 ones
+/* Sub-block scales and mins of one super-block, per 16 values (Q5_K's per-32 ones
  * twice), and d, dmin. */
 static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16],
                                 int32_t mn[16], float *d, float *dmin) {
     int32_t s8[8], m8[8];
     switch (type) {
-    case QT_Q4_K:
     case QT_Q5_K:
         *d = fp16_to_f32(blk);
         *dmin = fp16_to_f32(blk + 2);

@@ -45,7 +45,7 @@
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 }; /* ggml's type ids */
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12 }; /* ggml's type ids */
 
 
 static int64_t block_bytes(int64_t type) {
@@ -53,12 +53,16 @@ static int64_t block_bytes(int64_t type) {
     case QT_Q4_0: return 18;
     case QT_Q4_1: return 20;
     case QT_Q8_0: return 34;
+    case QT_Q4_K: return 144;
     default: return 0;
     }
 }
 
 /* Bytes before the quant lines of a tile: the d (and m) of its 16 rows. */
 static inline int64_t tile_header(int64_t type) { return type == QT_Q4_1 ? 64 : 32; }
+
+/* Values per block: 32, or 256 for Q4_K's super-blocks. */
+static inline int64_t block_values(int64_t type) { return type == QT_Q4_K ? 256 : QK; }
 
 /* ---- activations ------------------------------------------------------------------------ */
 /* Row of k floats -> int8 per block of 32, its scale s and s * sum(q). */
@@ -292,6 +296,177 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 }
 #endif
 
+
+/* ---- Q4_K in tiles of 16 rows ------------------------------------------------------------
+ * A super-block of 256 values per row: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins
+ * (8 sub-blocks of 32 values each), 128 bytes of nibbles (value 32s + i = nibble s % 2 of
+ * qs[32 (s / 2) + i]); w = d sc_s q - dmin m_s. A tile is one super-block of 16 rows, the
+ * same bytes regrouped (2304 = 16 x 144): the 16 d, the 16 dmin, the 12 scale bytes as 12
+ * lines of 16 (byte c of every row), then the quants as 32 lines of 64 bytes, line l holding
+ * bytes 4l..4l+3 of each row's qs, as the 32-value types' tiles do. Sub-blocks then run
+ * across rows: a row's dot product with an activation block of 32 needs no horizontal sum,
+ * and its scale and min (one per row) multiply lane by lane. */
+#define Q4K_TILE 2304
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q4K_VNNI(acc, u, a) _mm256_dpbusd_epi32(acc, u, a)
+#elif defined(__AVXVNNI__)
+#define Q4K_VNNI(acc, u, a) _mm256_dpbusd_avx_epi32(acc, u, a)
+#endif
+
+/* 8 bytes of v (the low or high half) -> 8 floats. */
+static inline __m256 u8x8_to_ps(__m128i v, int high) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high ? _mm_unpackhi_epi64(v, v) : v));
+}
+
+/* Half h (rows 8h..8h+7) of a group against m activation rows; per tile, per pair of
+ * sub-blocks, the byte products are summed in int16 (8 * 2 * 15 * 127 < 32767) or by VNNI
+ * in int32. */
+static inline __attribute__((always_inline)) void group_q4k_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
+    int64_t k, const int m, float out[MAXM][GR]) {
+    const int64_t nb = k / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
+#if !defined(Q4K_VNNI)
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    /* Both halves of the 16 rows in one pass for up to 2 activation rows (their sums fit
+     * the registers), else one half per pass (the second finds the group in cache). */
+    const int hp = m <= 2 ? 2 : 1;
+    for (int h0 = 0; h0 < 2; h0 += hp) {
+        __m256 acc[2][MAXM];
+        for (int hh = 0; hh < hp; ++hh)
+            for (int i = 0; i < m; ++i) acc[hh][i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nsb; ++b) {
+            const uint8_t *t = tiles + b * Q4K_TILE;
+            if (h0 == 0)
+                for (int64_t o = 0; o < Q4K_TILE; o += 64)
+                    _mm_prefetch((const char *)(t + Q4K_TILE + o), _MM_HINT_T0);
+            __m128i c[12];
+            for (int j = 0; j < 12; ++j)
+                c[j] = _mm_loadu_si128((const __m128i *)(t + 64 + 16 * j));
+            __m256 d[2], dmin[2];
+            for (int hh = 0; hh < hp; ++hh) {
+                const int h = h0 + hh;
+                d[hh] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
+                dmin[hh] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * h)));
+            }
+            for (int tp = 0; tp < 4; ++tp) { /* sub-blocks 2tp (low nibbles), 2tp + 1 (high) */
+                __m128i scb[2], mnb[2];
+                for (int e = 0; e < 2; ++e) {
+                    const int j = 2 * tp + e;
+                    if (j < 4) {
+                        scb[e] = _mm_and_si128(c[j], six);
+                        mnb[e] = _mm_and_si128(c[j + 4], six);
+                    } else {
+                        scb[e] = _mm_or_si128(
+                            _mm_and_si128(c[j + 4], lo4),
+                            _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j - 4], 6), two), 4));
+                        mnb[e] = _mm_or_si128(
+                            _mm_and_si128(_mm_srli_epi16(c[j + 4], 4), lo4),
+                            _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
+                    }
+                }
+                __m256i sum[2][2][MAXM]; /* [half][sub-block][activation row] */
+                for (int hh = 0; hh < hp; ++hh)
+                    for (int e = 0; e < 2; ++e)
+                        for (int i = 0; i < m; ++i) sum[hh][e][i] = _mm256_setzero_si256();
+                for (int g = 0; g < 8; ++g) {
+                    __m256i a0[MAXM], a1[MAXM];
+                    for (int i = 0; i < m; ++i) {
+                        const int8_t *a = qa + i * k + b * 256 + 64 * tp + 4 * g;
+                        a0[i] = _mm256_set1_epi32(act4(a));
+                        a1[i] = _mm256_set1_epi32(act4(a + 32));
+                    }
+                    for (int hh = 0; hh < hp; ++hh) {
+                        const __m256i l = _mm256_loadu_si256(
+                            (const __m256i *)(t + 256 + 64 * (8 * tp + g) + 32 * (h0 + hh)));
+                        const __m256i u0 = _mm256_and_si256(l, low4);
+                        const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
+                        for (int i = 0; i < m; ++i) {
+#if defined(Q4K_VNNI)
+                            sum[hh][0][i] = Q4K_VNNI(sum[hh][0][i], u0, a0[i]);
+                            sum[hh][1][i] = Q4K_VNNI(sum[hh][1][i], u1, a1[i]);
+#else
+                            sum[hh][0][i] = _mm256_add_epi16(sum[hh][0][i],
+                                                             _mm256_maddubs_epi16(u0, a0[i]));
+                            sum[hh][1][i] = _mm256_add_epi16(sum[hh][1][i],
+                                                             _mm256_maddubs_epi16(u1, a1[i]));
+#endif
+                        }
+                    }
+                }
+                for (int hh = 0; hh < hp; ++hh)
+                    for (int e = 0; e < 2; ++e) {
+                        const int64_t j = b * 8 + 2 * tp + e; /* activation block */
+                        const __m256 dsc = _mm256_mul_ps(d[hh], u8x8_to_ps(scb[e], h0 + hh));
+                        const __m256 dmn = _mm256_mul_ps(dmin[hh], u8x8_to_ps(mnb[e], h0 + hh));
+                        for (int i = 0; i < m; ++i) {
+#if defined(Q4K_VNNI)
+                            const __m256i dot = sum[hh][e][i];
+#else
+                            const __m256i dot = _mm256_madd_epi16(sum[hh][e][i], ones);
+#endif
+                            acc[hh][i] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(dot),
+                                _mm256_mul_ps(dsc, _mm256_set1_ps(sa[i * nb + j])), acc[hh][i]);
+                            acc[hh][i] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(ssa[i * nb + j]),
+                                                          acc[hh][i]);
+                        }
+                    }
+            }
+        }
+        for (int hh = 0; hh < hp; ++hh)
+            for (int i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * (h0 + hh), acc[hh][i]);
+    }
+}
+#else
+/* Plain C: the same function, row by row. */
+static inline void group_q4k_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
+                               const float *sa, const float *ssa, int64_t k, const int m,
+                               float out[MAXM][GR]) {
+    const int64_t nb = k / QK;
+    for (int i = 0; i < m; ++i)
+        for (int r = 0; r < GR; ++r) out[i][r] = 0.f;
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * Q4K_TILE, *c = t + 64, *lines = t + 256;
+        for (int r = 0; r < GR; ++r) {
+            const float d = fp16_to_f32(t + 2 * r), dmin = fp16_to_f32(t + 32 + 2 * r);
+            for (int j = 0; j < 8; ++j) {
+                const int sc = j < 4 ? c[16 * j + r] & 63
+                                     : (c[16 * (j + 4) + r] & 0x0f) |
+                                           ((c[16 * (j - 4) + r] >> 6) << 4);
+                const int mn = j < 4 ? c[16 * (j + 4) + r] & 63
+                                     : (c[16 * (j + 4) + r] >> 4) | ((c[16 * j + r] >> 6) << 4);
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * j;
+                    int32_t dot = 0;
+                    for (int v = 0; v < 32; ++v) {
+                        const int q = 32 * (j / 2) + v; /* byte of qs */
+                        const uint8_t byte = lines[64 * (q / 4) + 4 * r + q % 4];
+                        dot += ((byte >> (4 * (j % 2))) & 0x0f) * a[v];
+                    }
+                    out[i][r] += d * (float)sc * sa[i * nb + b * 8 + j] * (float)dot -
+                                 dmin * (float)mn * ssa[i * nb + b * 8 + j];
+                }
+            }
+        }
+    }
+}
+#endif
+
+static void group_q4k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
+                      const float *ssa, int64_t k, int64_t m, float out[MAXM][GR]) {
+    switch (m) {
+    case 1: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 1, out); return;
+    case 2: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 2, out); return;
+    case 3: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 3, out); return;
+    default: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 4, out); return;
+    }
+}
+
 /* 3: AVX512-VNNI, 2: AVX-VNNI (256-bit), 1: AVX2, 0: plain C (for tests and logs). */
 int quant_matmul_isa(void) { return ISA; }
 
@@ -302,7 +477,8 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
     int64_t total = 0, groups = 0;
     int64_t first_group[QW_MAXPARTS + 1], first_row[QW_MAXPARTS];
     for (int64_t p = 0; p < w->nparts; ++p) {
-        if (!block_bytes(w->type[p]) || w->rows[p] < 1) return -2;
+        if (!block_bytes(w->type[p]) || w->rows[p] < 1 || k % block_values(w->type[p]))
+            return -2;
         first_group[p] = groups;
         first_row[p] = total;
         groups += (w->rows[p] + GR - 1) / GR;
@@ -330,16 +506,20 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
             for (int64_t g = 0; g < groups; ++g) {
                 int64_t p = 0;
                 while (g >= first_group[p + 1]) ++p;
-                const int64_t gl = g - first_group[p], tb = GR * block_bytes(w->type[p]);
-                const uint8_t *tiles = w->data[p] + gl * nb * tb;
+                const int64_t type = w->type[p], gl = g - first_group[p];
+                const int64_t nt = k / block_values(type); /* tiles per group */
+                const uint8_t *tiles = w->data[p] + gl * nt * GR * block_bytes(type);
                 const int64_t r0 = gl * GR;
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
                 float *yc = y + first_row[p] + r0;
                 for (int64_t i = i0; i < i0 + mc; i += MAXM) {
                     const int64_t mi = i + MAXM <= i0 + mc ? MAXM : i0 + mc - i;
                     float out[MAXM][GR];
-                    group_rows(w->type[p], tiles, nb, qa + i * k, sa + i * nb, ssa + i * nb, k,
-                               mi, out);
+                    if (type == QT_Q4_K)
+                        group_q4k(tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi, out);
+                    else
+                        group_rows(type, tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
+                                   out);
                     for (int64_t t = 0; t < mi; ++t)
                         memcpy(yc + (i + t) * ldy, out[t], sizeof(float) * (size_t)rows);
                 }

@@ -15,6 +15,9 @@ In memory the blocks are regrouped by 16 rows (:func:`repack_tiles`; same bytes,
 bits): a tile is one block column of 16 consecutive rows, the 16 ``d`` (and ``m``) first,
 then the quants as lines of 64 bytes, line ``j`` holding bytes ``4j..4j+3`` of each row's
 quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmul.c``).
+Q4_K's 256-value super-blocks (:mod:`forerun.model.quant.kquant_blocks`) are held in the
+same kind of tile: the 16 ``d``, the 16 ``dmin``, the 12 scale bytes as 12 lines of 16, then
+the quants in lines of 64 bytes (:data:`TILED_TYPES`).
 
 Activations are quantized per row and block of 32 to int8 with the scale
 ``s = max|x| / 127`` (rounded to nearest even), as llama.cpp does for its q8 activations. We
@@ -38,31 +41,41 @@ TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 
 GROUP = 16  # rows per tile
+Q4_K = 12
+# The types held in tiles: (bytes, values) of their blocks.
+TILED_TYPES: dict[int, tuple[int, int]] = {**{t: (b, QK) for t, b in BLOCK_BYTES.items()},
+                                           Q4_K: (144, 256)}
 
 
 def _tile_map(qtype: int) -> torch.Tensor:
     """``[16, block_bytes]``: where byte ``t`` of row ``r``'s block sits in a tile."""
-    bs = BLOCK_BYTES[qtype]
-    head = 64 if qtype == Q4_1 else 32
+    bs = TILED_TYPES[qtype][0]
     out = torch.empty(GROUP, bs, dtype=torch.int64)
     for r in range(GROUP):
         out[r, 0:2] = torch.tensor([2 * r, 2 * r + 1])
-        off = 2
-        if qtype == Q4_1:
+        if qtype == Q4_K:  # d, dmin, 12 scale bytes, 128 bytes of quants
             out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
-            off = 4
+            out[r, 4:16] = 64 + 16 * torch.arange(12) + r
+            off, head = 16, 256
+        elif qtype == Q4_1:
+            out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
+            off, head = 4, 64
+        else:
+            off, head = 2, 32
         q = torch.arange(bs - off)
         out[r, off:] = head + 64 * (q // 4) + 4 * r + q % 4
     return out
 
 
-_TILE_MAPS: dict[int, torch.Tensor] = {t: _tile_map(t) for t in BLOCK_BYTES}
+_TILE_MAPS: dict[int, torch.Tensor] = {t: _tile_map(t) for t in TILED_TYPES}
 
 
 def repack_tiles(qtype: int, raw: torch.Tensor, k: int) -> torch.Tensor:
     """Rows ``raw`` ``[n, row_bytes]`` (the file's blocks) as tiles of 16 rows, uint8
-    ``[ceil(n/16) * k/32 * 16 * block_bytes]``; a last group is padded with zero blocks."""
-    n, bs, nb = raw.shape[0], BLOCK_BYTES[qtype], k // QK
+    ``[ceil(n/16) * blocks per row * 16 * block_bytes]``; a last group is padded with zero
+    blocks."""
+    bs, vals = TILED_TYPES[qtype]
+    n, nb = raw.shape[0], k // vals
     groups = -(-n // GROUP)
     padded = raw.new_zeros(groups * GROUP, nb * bs)
     padded[:n] = raw
@@ -74,7 +87,8 @@ def repack_tiles(qtype: int, raw: torch.Tensor, k: int) -> torch.Tensor:
 
 def tile_rows(qtype: int, tiles: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
     """The file's blocks of the rows ``rows`` (int64 ``[T]``) of ``tiles``, ``[T, row_bytes]``."""
-    bs, nb = BLOCK_BYTES[qtype], k // QK
+    bs, vals = TILED_TYPES[qtype]
+    nb = k // vals
     t = tiles.view(-1, nb, GROUP * bs)
     picked = t.index_select(0, rows // GROUP)  # [T, nb, 16 * bs]
     idx = _TILE_MAPS[qtype].to(tiles.device)[rows % GROUP]  # [T, bs]
@@ -84,7 +98,8 @@ def tile_rows(qtype: int, tiles: torch.Tensor, k: int, rows: torch.Tensor) -> to
 
 def tiles_to_blocks(qtype: int, tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """All ``n`` rows of ``tiles`` back in the file's layout, ``[n, row_bytes]``."""
-    bs, nb = BLOCK_BYTES[qtype], k // QK
+    bs, vals = TILED_TYPES[qtype]
+    nb = k // vals
     t = tiles.view(-1, nb, GROUP * bs)[..., _TILE_MAPS[qtype].to(tiles.device).reshape(-1)]
     blocks = t.view(-1, nb, GROUP, bs).permute(0, 2, 1, 3).reshape(-1, nb * bs)
     return blocks[:n]
