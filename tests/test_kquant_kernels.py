@@ -25,7 +25,7 @@ from forerun.model.quant.gguf_blocks import TILED_TYPES
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.kquant_blocks import dequantize_krows, kquant_matmul_torch
 from tests.kernel_variants import build_quant_variant, build_variants, cpu_flags
-from tests.kquant_pack import BLOCK_BYTES, pack_kquant, random_kblocks
+from tests.kquant_pack import _HALF_OFFSETS, BLOCK_BYTES, pack_kquant, random_kblocks
 
 KTYPES = [GT.Q4_K, GT.Q6_K, GT.Q5_K, GT.Q3_K, GT.Q2_K, GT.IQ4_XS]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n and m, k one super-block and many.
@@ -102,6 +102,29 @@ def test_kquant_matmul_matches_float64_oracle(variants, qtype: GT, shape, random
     oracle, exact = _act_oracle(xd) @ wd.T, xd @ wd.T
     for path, lib in _paths(variants):
         _check(_run(lin, x, path, lib), x, oracle, exact)
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_largest_quants_against_largest_activations_do_not_overflow(variants, qtype: GT
+                                                                    ) -> None:
+    """Every quant and scale bit set, activations quantizing to +-127 everywhere: the integer
+    sums at their bound (the int16 stages of the AVX2 bodies included)."""
+    rng = np.random.default_rng(9)
+    raw = random_kblocks(qtype, 20, 512, rng)
+    halves = set()
+    for off in _HALF_OFFSETS[qtype]:
+        halves |= {off, off + 1}
+    blocks = raw.reshape(-1, BLOCK_BYTES[qtype])
+    blocks[:, [c for c in range(BLOCK_BYTES[qtype]) if c not in halves]] = 0xff
+    wd = dequantize(raw, qtype).astype(np.float64)
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], 512)
+    x = torch.ones(3, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    xd = x.double().numpy()
+    oracle = _act_oracle(xd) @ wd.T
+    for path, lib in _paths(variants):
+        _check(_run(lin, x, path, lib), x, oracle, xd @ wd.T)
 
 
 def test_every_available_body_was_checked(variants) -> None:

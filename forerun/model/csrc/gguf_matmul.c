@@ -3,7 +3,7 @@
  *
  * The weight's parts (qweight.h) are taken in runs of one kernel family, each run computed
  * by its kernel into its own columns of y: the types held in row-interleaved tiles (Q4_0,
- * Q4_1, Q8_0, Q4_K) by quant_matmul.c, the other K-quants (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS)
+ * Q4_1, Q8_0, Q4_K, Q5_K) by quant_matmul.c, the other K-quants (Q2_K, Q3_K, Q6_K, IQ4_XS)
  * by kquant_matmul.c, which reads the file's rows. A fused
  * projection whose parts come from both families (rare: some files keep one tensor in
  * Q8_0) quantizes the activations once per run. bfloat16 activations are widened once,
@@ -16,10 +16,10 @@
 #include "bf16.h"
 #include "qweight.h"
 
-/* The types kquant_matmul.c reads as the file's rows: Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS. The
- * rest (Q4_0, Q4_1, Q8_0, and Q4_K in its own tiles) are quant_matmul.c's. */
+/* The types kquant_matmul.c reads as the file's rows: Q2_K, Q3_K, Q6_K, IQ4_XS. The rest
+ * (Q4_0, Q4_1, Q8_0, and Q4_K and Q5_K in their own tiles) are quant_matmul.c's. */
 static int is_kquant(int64_t type) {
-    return type == 10 || type == 11 || type == 13 || type == 14 || type == 23;
+    return type == 10 || type == 11 || type == 14 || type == 23;
 }
 
 /* y [m, n] (float32, row stride n) = xf [m, k] @ W.T, run by run. */

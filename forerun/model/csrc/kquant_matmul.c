@@ -1,15 +1,12 @@
-/* y = x @ W.T (+ bias) with W in GGUF's 256-value super-blocks (Q2_K, Q3_K, Q5_K, Q6_K and
- * IQ4_XS) as the file's rows: the matmuls of quantization="gguf" for those types (CPU). Q4_K
- * runs in row-interleaved tiles (quant_matmul.c), its format is given here for Q5_K's sake.
+/* y = x @ W.T (+ bias) with W in GGUF's 256-value super-blocks (Q2_K, Q3_K, Q6_K and IQ4_XS)
+ * as the file's rows: the matmuls of quantization="gguf" for those types (CPU). Q4_K and Q5_K
+ * run in row-interleaved tiles (quant_matmul.c).
  *
  * The formats, per super-block of 256 values of a weight row (ggml's layouts; byte offsets):
  *   Q2_K  84 B: scales[16] (lo nibble scale, hi nibble min, per 16 values), qs[64], d, dmin
  *               value 128h + 32g + i = bits 2g..2g+1 of qs[32h + i];   w = d sc q - dmin m
  *   Q3_K 110 B: hmask[32], qs[64], scales[12] (6-bit, minus 32, per 16 values), d
  *               low 2 bits as Q2_K; minus 4 unless bit v/32 of hmask[v%32]; w = d sc q
- *   Q4_K 144 B: d, dmin, scales[12] (6-bit scale and min per 32 values), qs[128]
- *               value 32s + i = nibble s%2 of qs[32(s/2) + i];         w = d sc q - dmin m
- *   Q5_K 176 B: d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibble plus 16 * bit s of qh[i]
  *   Q6_K 210 B: ql[128], qh[64], scales[16] (int8, per 16 values), d
  *               half h: value 64p + i = nibble p of ql[64h + i], plus 16 * bits 2g..2g+1 of
  *               qh[32h + v%32] (g = v/32), minus 32;                   w = d sc q
@@ -52,7 +49,7 @@
 #define MCHUNK 256  /* activation rows whose quantized values stay cache-resident together */
 #define PREFETCH_BLOCKS 8 /* super-blocks ahead of the one being read (AVX2 body) */
 
-enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
+enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q6_K = 14, QT_IQ4_XS = 23 };
 
 /* IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl). */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -84,7 +81,6 @@ static int64_t kblock_bytes(int64_t type) {
     switch (type) {
     case QT_Q2_K: return 84;
     case QT_Q3_K: return 110;
-    case QT_Q5_K: return 176;
     case QT_Q6_K: return 210;
     case QT_IQ4_XS: return 136;
     default: return 0;
@@ -113,18 +109,6 @@ static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s16, flo
 }
 
 /* ---- scales ------------------------------------------------------------------------------ */
-/* Q4_K/Q5_K: 8 six-bit scales and mins from 12 bytes (bytes 0-3: scales 0-3 and the top bits
- * of scales 4-7; bytes 4-7: the same for the mins; bytes 8-11: low nibbles of scales 4-7,
- * high nibbles of mins 4-7). */
-static inline void scale_min_k4(const uint8_t *p, int32_t sc[8], int32_t mn[8]) {
-    for (int j = 0; j < 4; ++j) {
-        sc[j] = p[j] & 63;
-        mn[j] = p[j + 4] & 63;
-        sc[j + 4] = (p[j + 8] & 0x0f) | ((p[j] >> 6) << 4);
-        mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
-    }
-}
-
 /* Q3_K: 16 six-bit scales minus 32 (scale 8p + j: nibble p of byte j; scale 4t + j: its top
  * two bits are bits 2t..2t+1 of byte 8 + j). */
 static inline void scales_q3_k(const uint8_t *p, int32_t sc[16]) {
@@ -175,24 +159,6 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
     /* 16 sub-block bytes in natural order -> lane order. */
     const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     switch (type) {
-    case QT_Q5_K: {
-        *d = fp16_to_f32(blk);
-        *dmin = fp16_to_f32(blk + 2);
-        /* The 12 scale bytes as words: scales 0-3 and 4-7, mins 0-3 and 4-7 one byte each
-         * (the bit layout of scale_min_k4, four at a time). */
-        uint32_t w[3];
-        memcpy(w, blk + 4, sizeof w);
-        const uint32_t six = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, two = 0x03030303u;
-        const uint32_t s03 = w[0] & six, m03 = w[1] & six;
-        const uint32_t s47 = (w[2] & low4) | (((w[0] >> 6) & two) << 4);
-        const uint32_t m47 = ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4);
-        /* Per 32 values: lane order 0 2 4 6 1 3 5 7 reads blocks of 32 0 1 2 3 0 1 2 3. */
-        sc[0] = u8_to_ps(s03 | (uint64_t)s03 << 32);
-        sc[1] = u8_to_ps(s47 | (uint64_t)s47 << 32);
-        mn[0] = u8_to_ps(m03 | (uint64_t)m03 << 32);
-        mn[1] = u8_to_ps(m47 | (uint64_t)m47 << 32);
-        return;
-    }
     case QT_Q6_K: {
         *d = fp16_to_f32(blk + 208);
         *dmin = 0.f;
@@ -205,7 +171,7 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
     case QT_IQ4_XS: {
         *d = fp16_to_f32(blk);
         *dmin = 0.f;
-        uint64_t lo = 0, hi = 0; /* per 32 values, lane order as for Q5_K */
+        uint64_t lo = 0, hi = 0; /* per 32 values: lane order 0 2 4 6 1 3 5 7 reads 0 1 2 3 0 1 2 3 */
         for (int s = 0; s < 4; ++s) {
             lo |= (uint64_t)(uint8_t)iq4xs_scale(blk, s) << (8 * s);
             hi |= (uint64_t)(uint8_t)iq4xs_scale(blk, s + 4) << (8 * s);
@@ -277,20 +243,6 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, __m256i u[8]) {
         }
         return -1;
     }
-    case QT_Q5_K: {
-        const uint8_t *qs = blk + 48;
-        for (int j = 0; j < 4; ++j) {
-            const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            u[2 * j] = _mm256_and_si256(l, m4);
-            u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-        }
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        for (int s = 0; s < 8; ++s) { /* bit s of qh[i] is bit 4 of value 32s + i */
-            u[s] = _mm256_or_si256(u[s], _mm256_slli_epi16(_mm256_and_si256(qh, m1), 4));
-            qh = _mm256_srli_epi16(qh, 1);
-        }
-        return 0;
-    }
     case QT_Q6_K:
         for (int h = 0; h < 2; ++h) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
@@ -338,14 +290,6 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
         for (int v = 0; v < QK_K; ++v)
             u[v] = IQ4_LEVELS[(blk[8 + 16 * (v / 32) + v % 16] >> (4 * ((v % 32) / 16))) & 0x0f];
         return 0;
-    case QT_Q5_K: {
-        const uint8_t *qs = blk + 48, *qh = blk + 16;
-        for (int s = 0; s < 8; ++s)
-            for (int i = 0; i < 32; ++i)
-                u[32 * s + i] = ((qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0f) |
-                                (((qh[i] >> s) & 1) << 4);
-        return 0;
-    }
     case QT_Q6_K:
         for (int h = 0; h < 2; ++h)
             for (int v = 0; v < 128; ++v) {
@@ -368,21 +312,11 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
 #endif
 
 #if ISA == 0
-/* Sub-block scales and mins of one super-block, per 16 values (Q5_K's per-32 ones
+/* Sub-block scales and mins of one super-block, per 16 values (IQ4_XS's per-32 ones
  * twice), and d, dmin. */
 static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16],
                                 int32_t mn[16], float *d, float *dmin) {
-    int32_t s8[8], m8[8];
     switch (type) {
-    case QT_Q5_K:
-        *d = fp16_to_f32(blk);
-        *dmin = fp16_to_f32(blk + 2);
-        scale_min_k4(blk + 4, s8, m8);
-        for (int s = 0; s < 16; ++s) {
-            sc[s] = s8[s / 2];
-            mn[s] = m8[s / 2];
-        }
-        return;
     case QT_Q6_K:
         *d = fp16_to_f32(blk + 208);
         *dmin = 0.f;

@@ -45,7 +45,7 @@
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12 }; /* ggml's type ids */
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13 }; /* ggml's type ids */
 
 
 static int64_t block_bytes(int64_t type) {
@@ -54,6 +54,7 @@ static int64_t block_bytes(int64_t type) {
     case QT_Q4_1: return 20;
     case QT_Q8_0: return 34;
     case QT_Q4_K: return 144;
+    case QT_Q5_K: return 176;
     default: return 0;
     }
 }
@@ -61,8 +62,10 @@ static int64_t block_bytes(int64_t type) {
 /* Bytes before the quant lines of a tile: the d (and m) of its 16 rows. */
 static inline int64_t tile_header(int64_t type) { return type == QT_Q4_1 ? 64 : 32; }
 
-/* Values per block: 32, or 256 for Q4_K's super-blocks. */
-static inline int64_t block_values(int64_t type) { return type == QT_Q4_K ? 256 : QK; }
+/* Values per block: 32, or 256 for the K-quants' super-blocks. */
+static inline int64_t block_values(int64_t type) {
+    return type == QT_Q4_K || type == QT_Q5_K ? 256 : QK;
+}
 
 /* ---- activations ------------------------------------------------------------------------ */
 /* Row of k floats -> int8 per block of 32, its scale s and s * sum(q). */
@@ -297,16 +300,18 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 #endif
 
 
-/* ---- Q4_K in tiles of 16 rows ------------------------------------------------------------
+/* ---- Q4_K and Q5_K in tiles of 16 rows ---------------------------------------------------
  * A super-block of 256 values per row: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins
- * (8 sub-blocks of 32 values each), 128 bytes of nibbles (value 32s + i = nibble s % 2 of
- * qs[32 (s / 2) + i]); w = d sc_s q - dmin m_s. A tile is one super-block of 16 rows, the
- * same bytes regrouped (2304 = 16 x 144): the 16 d, the 16 dmin, the 12 scale bytes as 12
- * lines of 16 (byte c of every row), then the quants as 32 lines of 64 bytes, line l holding
- * bytes 4l..4l+3 of each row's qs, as the 32-value types' tiles do. Sub-blocks then run
+ * (8 sub-blocks of 32 values each), [Q5_K: 32 bytes qh, bit s of qh[i] the fifth bit of value
+ * 32s + i,] 128 bytes of nibbles (value 32s + i = nibble s % 2 of qs[32 (s / 2) + i]);
+ * w = d sc_s q - dmin m_s. A tile is one super-block of 16 rows, the same bytes regrouped
+ * (16 x 144 or 16 x 176): the 16 d, the 16 dmin, the 12 scale bytes as 12 lines of 16 (byte
+ * c of every row), then [qh and] the quants as lines of 64 bytes, line l holding bytes
+ * 4l..4l+3 of each row's qh / qs, as the 32-value types' tiles do. Sub-blocks then run
  * across rows: a row's dot product with an activation block of 32 needs no horizontal sum,
  * and its scale and min (one per row) multiply lane by lane. */
-#define Q4K_TILE 2304
+#define KT_QS(q5) ((q5) ? 768 : 256)     /* offset of the quant lines in a tile */
+#define KT_BYTES(q5) ((q5) ? 2816 : 2304) /* bytes of a tile */
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -323,11 +328,11 @@ static inline __m256 u8x8_to_ps(__m128i v, int high) {
 /* Half h (rows 8h..8h+7) of a group against m activation rows; per tile, per pair of
  * sub-blocks, the byte products are summed in int16 (8 * 2 * 15 * 127 < 32767) or by VNNI
  * in int32. */
-static inline __attribute__((always_inline)) void group_q4k_m(
+static inline __attribute__((always_inline)) void group_kt_m(
     const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
-    int64_t k, const int m, float out[MAXM][GR]) {
-    const int64_t nb = k / QK;
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    int64_t k, const int m, const int q5, float out[MAXM][GR]) {
+    const int64_t nb = k / QK, tb = KT_BYTES(q5);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bit = _mm256_set1_epi8(1);
     const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
 #if !defined(Q4K_VNNI)
     const __m256i ones = _mm256_set1_epi16(1);
@@ -340,10 +345,10 @@ static inline __attribute__((always_inline)) void group_q4k_m(
         for (int hh = 0; hh < hp; ++hh)
             for (int i = 0; i < m; ++i) acc[hh][i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nsb; ++b) {
-            const uint8_t *t = tiles + b * Q4K_TILE;
+            const uint8_t *t = tiles + b * tb;
             if (h0 == 0)
-                for (int64_t o = 0; o < Q4K_TILE; o += 64)
-                    _mm_prefetch((const char *)(t + Q4K_TILE + o), _MM_HINT_T0);
+                for (int64_t o = 0; o < tb; o += 64)
+                    _mm_prefetch((const char *)(t + tb + o), _MM_HINT_T0);
             __m128i c[12];
             for (int j = 0; j < 12; ++j)
                 c[j] = _mm_loadu_si128((const __m128i *)(t + 64 + 16 * j));
@@ -369,10 +374,14 @@ static inline __attribute__((always_inline)) void group_q4k_m(
                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
                     }
                 }
-                __m256i sum[2][2][MAXM]; /* [half][sub-block][activation row] */
+                /* [half][sub-block][activation row]: byte products summed in int16 (or by
+                 * VNNI in int32), widened into dot: for Q5_K every 4 lines, as 8 of its sums
+                 * could pass 32767 (2 * 31 * 127 each). */
+                __m256i sum[2][2][MAXM], dot[2][2][MAXM];
                 for (int hh = 0; hh < hp; ++hh)
                     for (int e = 0; e < 2; ++e)
-                        for (int i = 0; i < m; ++i) sum[hh][e][i] = _mm256_setzero_si256();
+                        for (int i = 0; i < m; ++i)
+                            sum[hh][e][i] = dot[hh][e][i] = _mm256_setzero_si256();
                 for (int g = 0; g < 8; ++g) {
                     __m256i a0[MAXM], a1[MAXM];
                     for (int i = 0; i < m; ++i) {
@@ -381,10 +390,18 @@ static inline __attribute__((always_inline)) void group_q4k_m(
                         a1[i] = _mm256_set1_epi32(act4(a + 32));
                     }
                     for (int hh = 0; hh < hp; ++hh) {
-                        const __m256i l = _mm256_loadu_si256(
-                            (const __m256i *)(t + 256 + 64 * (8 * tp + g) + 32 * (h0 + hh)));
-                        const __m256i u0 = _mm256_and_si256(l, low4);
-                        const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
+                        const __m256i l = _mm256_loadu_si256((const __m256i *)(
+                            t + KT_QS(q5) + 64 * (8 * tp + g) + 32 * (h0 + hh)));
+                        __m256i u0 = _mm256_and_si256(l, low4);
+                        __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
+                        if (q5) { /* bits 2tp and 2tp + 1 of qh: the fifth bits */
+                            const __m256i qh = _mm256_loadu_si256(
+                                (const __m256i *)(t + 256 + 64 * g + 32 * (h0 + hh)));
+                            u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(
+                                _mm256_srli_epi16(qh, 2 * tp), bit), 4));
+                            u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(
+                                _mm256_srli_epi16(qh, 2 * tp + 1), bit), 4));
+                        }
                         for (int i = 0; i < m; ++i) {
 #if defined(Q4K_VNNI)
                             sum[hh][0][i] = Q4K_VNNI(sum[hh][0][i], u0, a0[i]);
@@ -397,6 +414,16 @@ static inline __attribute__((always_inline)) void group_q4k_m(
 #endif
                         }
                     }
+#if !defined(Q4K_VNNI)
+                    if (g == 7 || (q5 && g == 3))
+                        for (int hh = 0; hh < hp; ++hh)
+                            for (int e = 0; e < 2; ++e)
+                                for (int i = 0; i < m; ++i) {
+                                    dot[hh][e][i] = _mm256_add_epi32(
+                                        dot[hh][e][i], _mm256_madd_epi16(sum[hh][e][i], ones));
+                                    sum[hh][e][i] = _mm256_setzero_si256();
+                                }
+#endif
                 }
                 for (int hh = 0; hh < hp; ++hh)
                     for (int e = 0; e < 2; ++e) {
@@ -405,12 +432,10 @@ static inline __attribute__((always_inline)) void group_q4k_m(
                         const __m256 dmn = _mm256_mul_ps(dmin[hh], u8x8_to_ps(mnb[e], h0 + hh));
                         for (int i = 0; i < m; ++i) {
 #if defined(Q4K_VNNI)
-                            const __m256i dot = sum[hh][e][i];
-#else
-                            const __m256i dot = _mm256_madd_epi16(sum[hh][e][i], ones);
+                            dot[hh][e][i] = sum[hh][e][i];
 #endif
                             acc[hh][i] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(dot),
+                                _mm256_cvtepi32_ps(dot[hh][e][i]),
                                 _mm256_mul_ps(dsc, _mm256_set1_ps(sa[i * nb + j])), acc[hh][i]);
                             acc[hh][i] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(ssa[i * nb + j]),
                                                           acc[hh][i]);
@@ -424,14 +449,14 @@ static inline __attribute__((always_inline)) void group_q4k_m(
 }
 #else
 /* Plain C: the same function, row by row. */
-static inline void group_q4k_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
-                               const float *sa, const float *ssa, int64_t k, const int m,
-                               float out[MAXM][GR]) {
+static inline void group_kt_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
+                              const float *sa, const float *ssa, int64_t k, const int m,
+                              const int q5, float out[MAXM][GR]) {
     const int64_t nb = k / QK;
     for (int i = 0; i < m; ++i)
         for (int r = 0; r < GR; ++r) out[i][r] = 0.f;
     for (int64_t b = 0; b < nsb; ++b) {
-        const uint8_t *t = tiles + b * Q4K_TILE, *c = t + 64, *lines = t + 256;
+        const uint8_t *t = tiles + b * KT_BYTES(q5), *c = t + 64, *lines = t + KT_QS(q5);
         for (int r = 0; r < GR; ++r) {
             const float d = fp16_to_f32(t + 2 * r), dmin = fp16_to_f32(t + 32 + 2 * r);
             for (int j = 0; j < 8; ++j) {
@@ -446,7 +471,9 @@ static inline void group_q4k_m(const uint8_t *tiles, int64_t nsb, const int8_t *
                     for (int v = 0; v < 32; ++v) {
                         const int q = 32 * (j / 2) + v; /* byte of qs */
                         const uint8_t byte = lines[64 * (q / 4) + 4 * r + q % 4];
-                        dot += ((byte >> (4 * (j % 2))) & 0x0f) * a[v];
+                        int u = (byte >> (4 * (j % 2))) & 0x0f;
+                        if (q5) u |= ((t[256 + 64 * (v / 4) + 4 * r + v % 4] >> j) & 1) << 4;
+                        dot += u * a[v];
                     }
                     out[i][r] += d * (float)sc * sa[i * nb + b * 8 + j] * (float)dot -
                                  dmin * (float)mn * ssa[i * nb + b * 8 + j];
@@ -457,14 +484,20 @@ static inline void group_q4k_m(const uint8_t *tiles, int64_t nsb, const int8_t *
 }
 #endif
 
-static void group_q4k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
-                      const float *ssa, int64_t k, int64_t m, float out[MAXM][GR]) {
+/* Q4_K / Q5_K tiles (q5) of a group against m activation rows, m a constant per instance. */
+static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa,
+                     const float *sa, const float *ssa, int64_t k, int64_t m,
+                     float out[MAXM][GR]) {
+#define KT_CASE(M)                                                                              \
+    (q5 ? group_kt_m(tiles, nsb, qa, sa, ssa, k, M, 1, out)                                     \
+        : group_kt_m(tiles, nsb, qa, sa, ssa, k, M, 0, out))
     switch (m) {
-    case 1: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 1, out); return;
-    case 2: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 2, out); return;
-    case 3: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 3, out); return;
-    default: group_q4k_m(tiles, nsb, qa, sa, ssa, k, 4, out); return;
+    case 1: KT_CASE(1); return;
+    case 2: KT_CASE(2); return;
+    case 3: KT_CASE(3); return;
+    default: KT_CASE(4); return;
     }
+#undef KT_CASE
 }
 
 /* 3: AVX512-VNNI, 2: AVX-VNNI (256-bit), 1: AVX2, 0: plain C (for tests and logs). */
@@ -515,8 +548,9 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
                 for (int64_t i = i0; i < i0 + mc; i += MAXM) {
                     const int64_t mi = i + MAXM <= i0 + mc ? MAXM : i0 + mc - i;
                     float out[MAXM][GR];
-                    if (type == QT_Q4_K)
-                        group_q4k(tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi, out);
+                    if (type == QT_Q4_K || type == QT_Q5_K)
+                        group_kt(type == QT_Q5_K, tiles, nt, qa + i * k, sa + i * nb,
+                                 ssa + i * nb, k, mi, out);
                     else
                         group_rows(type, tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
                                    out);

@@ -15,9 +15,9 @@ In memory the blocks are regrouped by 16 rows (:func:`repack_tiles`; same bytes,
 bits): a tile is one block column of 16 consecutive rows, the 16 ``d`` (and ``m``) first,
 then the quants as lines of 64 bytes, line ``j`` holding bytes ``4j..4j+3`` of each row's
 quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmul.c``).
-Q4_K's 256-value super-blocks (:mod:`forerun.model.quant.kquant_blocks`) are held in the
-same kind of tile: the 16 ``d``, the 16 ``dmin``, the 12 scale bytes as 12 lines of 16, then
-the quants in lines of 64 bytes (:data:`TILED_TYPES`).
+Q4_K's and Q5_K's 256-value super-blocks (:mod:`forerun.model.quant.kquant_blocks`) are held
+in the same kind of tile: the 16 ``d``, the 16 ``dmin``, the 12 scale bytes as 12 lines of
+16, then (Q5_K's ``qh`` and) the quants in lines of 64 bytes (:data:`TILED_TYPES`).
 
 Activations are quantized per row and block of 32 to int8 with the scale
 ``s = max|x| / 127`` (rounded to nearest even), as llama.cpp does for its q8 activations. We
@@ -41,10 +41,10 @@ TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 
 GROUP = 16  # rows per tile
-Q4_K = 12
+Q4_K, Q5_K = 12, 13
 # The types held in tiles: (bytes, values) of their blocks.
 TILED_TYPES: dict[int, tuple[int, int]] = {**{t: (b, QK) for t, b in BLOCK_BYTES.items()},
-                                           Q4_K: (144, 256)}
+                                           Q4_K: (144, 256), Q5_K: (176, 256)}
 
 
 def _tile_map(qtype: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _tile_map(qtype: int) -> torch.Tensor:
     out = torch.empty(GROUP, bs, dtype=torch.int64)
     for r in range(GROUP):
         out[r, 0:2] = torch.tensor([2 * r, 2 * r + 1])
-        if qtype == Q4_K:  # d, dmin, 12 scale bytes, 128 bytes of quants
+        if qtype in (Q4_K, Q5_K):  # d, dmin, 12 scale bytes, [32 bytes qh,] 128 of quants
             out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
             out[r, 4:16] = 64 + 16 * torch.arange(12) + r
             off, head = 16, 256
