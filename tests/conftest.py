@@ -19,6 +19,26 @@ def smollm2_dir() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+# -march -> the CPU flags its GGUF-kernel bodies need (tests/kernel_variants.py).
+GGUF_VARIANTS = {"x86-64": set(), "haswell": {"avx2", "fma", "f16c"},
+                 "alderlake": {"avx2", "fma", "f16c", "avx_vnni"},
+                 "icelake-server": {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"}}
+
+
+@pytest.fixture(scope="session")
+def gguf_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The GGUF kernels (csrc/gguf_matmul.c and the files it calls) built for every
+    ``-march`` in :data:`GGUF_VARIANTS` this CPU can run, loaded, once per session; None
+    is the kernel library's native build. Empty without a C compiler."""
+    from forerun.model import cpu_kernels
+    from tests.kernel_variants import build_variants
+
+    if cpu_kernels.kernel_library() is None:
+        return {}
+    return build_variants(tmp_path_factory.mktemp("gguf-variants"), GGUF_VARIANTS,
+                          cpu_kernels.GGUF_SOURCES, cpu_kernels.bind_gguf_kernels)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
     """transformers' tokenizer read from the default GGUF (a few seconds to build), once per

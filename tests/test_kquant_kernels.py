@@ -24,7 +24,7 @@ from forerun.model.quant import resident_weight_bytes
 from forerun.model.quant.gguf_blocks import TILED_TYPES
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.kquant_blocks import dequantize_krows, kquant_matmul_torch
-from tests.kernel_variants import build_quant_variant, build_variants, cpu_flags
+from tests.kernel_variants import build_quant_variant, cpu_flags
 from tests.kquant_pack import _HALF_OFFSETS, BLOCK_BYTES, pack_kquant, random_kblocks
 
 KTYPES = [GT.Q4_K, GT.Q6_K, GT.Q5_K, GT.Q3_K, GT.Q2_K, GT.IQ4_XS]
@@ -33,19 +33,10 @@ SHAPES = [(1, 37, 256), (1, 96, 1024), (3, 17, 768), (5, 1, 512), (64, 45, 256),
           (64, 8, 1536)]
 
 
-# -march -> the CPU flags its body needs.
-_VARIANTS = {"x86-64": set(), "haswell": {"avx2", "fma", "f16c"},
-             "alderlake": {"avx2", "fma", "f16c", "avx_vnni"},
-             "icelake-server": {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"}}
-
-
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | None]:
+def variants(gguf_variants: dict[str, ctypes.CDLL | None]) -> dict[str, ctypes.CDLL | None]:
     """Loaded libraries per path name; None is the kernel library's native build."""
-    if cpu_kernels.kernel_library() is None:
-        return {}
-    return build_variants(tmp_path_factory.mktemp("kquant-variants"), _VARIANTS,
-                          cpu_kernels.GGUF_SOURCES, cpu_kernels.bind_gguf_kernels)
+    return gguf_variants
 
 
 def _paths(variants: dict[str, ctypes.CDLL | None]) -> list[tuple[str, ctypes.CDLL | None]]:

@@ -20,25 +20,17 @@ from forerun.model.quant import resident_weight_bytes, validate_quantization
 from forerun.model.quant.gguf_blocks import dequantize_rows, gguf_matmul_torch
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear, quantize_weight_int8
-from tests.kernel_variants import build_variants, cpu_flags
+from tests.kernel_variants import cpu_flags
 
 QTYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n, k one block and many.
 SHAPES = [(1, 37, 32), (1, 96, 576), (3, 17, 160), (64, 45, 96), (64, 8, 1536)]
 
 
-# -march -> the CPU flags its body needs.
-_VARIANTS = {"x86-64": set(), "haswell": {"avx2", "fma", "f16c"},
-             "alderlake": {"avx2", "fma", "f16c", "avx_vnni"}}
-
-
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | None]:
+def variants(gguf_variants: dict[str, ctypes.CDLL | None]) -> dict[str, ctypes.CDLL | None]:
     """Loaded libraries per path name; None is the kernel library's native build."""
-    if cpu_kernels.kernel_library() is None:
-        return {}
-    return build_variants(tmp_path_factory.mktemp("quant-variants"), _VARIANTS,
-                          cpu_kernels.GGUF_SOURCES, cpu_kernels.bind_gguf_kernels)
+    return gguf_variants
 
 
 def _linear(qtype: GT, n: int, k: int, seed: int) -> tuple[GGUFLinear, np.ndarray]:

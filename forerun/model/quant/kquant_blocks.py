@@ -1,9 +1,10 @@
 """GGUF K-quant block formats (Q2_K ... Q6_K, IQ4_XS) forerun computes with, and their matmul
 in torch.
 
-A weight row of ``k`` values is ``k / 256`` super-blocks, kept in memory exactly as the file
-stores them (no regrouping; ``csrc/kquant_matmul.c`` reads a row's blocks in order). ggml's
-layouts, byte offsets within one super-block (``d``/``dmin`` fp16):
+A weight row of ``k`` values is ``k / 256`` super-blocks. Q4_K and Q5_K are held regrouped
+in tiles of 16 rows (the same bytes: :mod:`.gguf_blocks`, read by ``csrc/quant_matmul.c``),
+the others exactly as the file stores them (``csrc/kquant_matmul.c`` reads a row's blocks in
+order). ggml's layouts, byte offsets within one super-block (``d``/``dmin`` fp16):
 
 - Q2_K (84 bytes): 16 bytes of scales (low nibble scale, high nibble min, per 16 values),
   64 bytes of 2-bit quants, ``d``, ``dmin``; ``w = d * sc * q - dmin * m``, ``q`` in 0..3.
@@ -28,8 +29,8 @@ a super-block's integer sum into float once instead of 8 times), and that is wha
 with; but one outlier channel then coarsens the other 255 values of its block, and on SmolLM2
 (widened to whole super-blocks, tests/test_quant_e2e.py) in Q6_K the teacher-forced NLL moved
 1.7% from the exact engine's per 256, 0.5% per 32. A super-block then costs 8 FMAs more per
-row in the kernel (``csrc/kquant_matmul.c``), which reads its integer sums per 32 values and
-the sub-block mins from the activations' sums per 16. :func:`kquant_matmul_torch` computes
+row in the kernels, which read their integer sums per 32 values and the sub-block mins from
+the activations' sums. :func:`kquant_matmul_torch` computes
 the same function with torch operations: the fallback where the C kernel is unavailable, and
 the reference it is tested against.
 """
