@@ -1,12 +1,14 @@
 """Start real ``forerun serve`` subprocesses for the server tests, once per test session.
 
 Servers are cached by their arguments so test_server.py and test_bench_serve.py share one;
-each runs in its own process group, which is killed at interpreter exit.
+each runs in its own process group, which is killed at interpreter exit, and (on Linux) gets
+SIGTERM when the test process dies without one (a killed pytest).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -56,6 +58,15 @@ _servers: dict[tuple[object, ...], ServerHandle] = {}
 _fresh: list[ServerHandle] = []
 
 
+def _die_with_parent(parent: int) -> None:
+    """Run in the child before exec: SIGTERM when the test process dies (PR_SET_PDEATHSIG),
+    so a killed pytest leaves no server behind; exit at once if it is already gone."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,6 +90,7 @@ def start_server(*extra: str, env: dict[str, str] | None = None,
         [sys.executable, "-m", "forerun.cli", "serve", "--host", "127.0.0.1",
          "--port", str(port), *BASE_ARGS, *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=lambda parent=os.getpid(): _die_with_parent(parent),
         env={**os.environ, **(env or {})})
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
     if fresh:
