@@ -109,9 +109,9 @@ def test_largest_quants_against_largest_activations_do_not_overflow(variants, qt
     blocks[:, [c for c in range(BLOCK_BYTES[qtype]) if c not in halves]] = 0xff
     wd = dequantize(raw, qtype).astype(np.float64)
     lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], 512)
-    x = torch.ones(3, 512)
-    x[1] = -1.0
-    x[2, ::2] = -1.0
+    x = torch.ones(40, 512)  # 40 rows: Q6_K's many-row path (tiles) too
+    x[1::3] = -1.0
+    x[2::3, ::2] = -1.0
     xd = x.double().numpy()
     oracle = _act_oracle(xd) @ wd.T
     for path, lib in _paths(variants):

@@ -45,7 +45,8 @@
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13 }; /* ggml's type ids */
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13,
+       QT_Q6_K = 14 }; /* ggml's type ids */
 
 
 static int64_t block_bytes(int64_t type) {
@@ -55,6 +56,7 @@ static int64_t block_bytes(int64_t type) {
     case QT_Q8_0: return 34;
     case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;
+    case QT_Q6_K: return 210;
     default: return 0;
     }
 }
@@ -64,25 +66,29 @@ static inline int64_t tile_header(int64_t type) { return type == QT_Q4_1 ? 64 : 
 
 /* Values per block: 32, or 256 for the K-quants' super-blocks. */
 static inline int64_t block_values(int64_t type) {
-    return type == QT_Q4_K || type == QT_Q5_K ? 256 : QK;
+    return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K ? 256 : QK;
 }
 
 /* ---- activations ------------------------------------------------------------------------ */
-/* Row of k floats -> int8 per block of 32, its scale s and s * sum(q). */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *ssum) {
+/* Row of k floats -> int8 per block of 32, its scale s and s * sum(q); and s * sum(q) per
+ * 16 values (Q6_K's sub-blocks). */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *ssum,
+                         float *ss16) {
     for (int64_t b = 0; b < k / QK; ++b) {
         const float *xb = x + b * QK;
         float amax = 0.f;
         for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
+        int32_t sum[2] = {0, 0};
         for (int j = 0; j < QK; ++j) {
             const int32_t v = (int32_t)nearbyintf(xb[j] * inv);
             q[b * QK + j] = (int8_t)v;
-            sum += v;
+            sum[j / 16] += v;
         }
         s[b] = d;
-        ssum[b] = d * (float)sum;
+        ssum[b] = d * (float)(sum[0] + sum[1]);
+        ss16[2 * b] = d * (float)sum[0];
+        ss16[2 * b + 1] = d * (float)sum[1];
     }
 }
 
@@ -500,6 +506,199 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
 #undef KT_CASE
 }
 
+/* ---- Q6_K in tiles of 16 rows, for matmuls of many rows -----------------------------------
+ * A super-block of 256 values per row: ql[128], qh[64], 16 int8 scales (one per 16 values),
+ * fp16 d; in half f (128 values) value 32g + l (g < 4, l < 32) is nibble g / 2 of
+ * ql[64f + 32 (g % 2) + l] plus 16 * bits 2g..2g+1 of qh[32f + l], minus 32, with scale
+ * sc[8f + 2g + l / 16]; w = d sc q. A tile (16 x 210 bytes, regrouped) holds the 16 d, the
+ * 16 scale bytes as 16 lines of 16, then ql and qh as lines of 64 bytes (bytes 4l..4l+3 of
+ * each row). The byte products are weighted by the row's sub-block scale in the madd that
+ * widens them, so a block of 32 needs one float multiply per row; the offset 32 is taken
+ * back from the activations' sums per 16. Q6_K weights are held as the file's rows (for one
+ * token kquant_matmul.c's row kernel is faster: 20 against 16 GB/s, 2048 x 8192 on 2 cores);
+ * gguf_matmul.c regroups them into these tiles for a matmul of many rows (64 rows: 1.5x
+ * faster than the rows), one pass over the weight per call (q6k_rows_to_tiles). */
+#define Q6T_BYTES 3360
+#define Q6T_QL 288
+#define Q6T_QH 2336
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* The int8 scale bytes of rows 8h..8h+7 as int32 lanes (for the float correction) and as
+ * int16 pairs (s, s) per lane (for madd). */
+static inline __m256i q6_scales(const uint8_t *line, int h) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(line + 8 * h)));
+}
+static inline __m256i pair16(__m256i s) {
+    return _mm256_blend_epi16(s, _mm256_slli_epi32(s, 16), 0xaa);
+}
+
+static inline __attribute__((always_inline)) void group_q6k_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
+    int64_t k, const int m, float out[MAXM][GR]) {
+    const int64_t nb = k / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
+    const int hp = m <= 2 ? 2 : 1; /* halves of the 16 rows per pass, as group_kt_m */
+    for (int h0 = 0; h0 < 2; h0 += hp) {
+        __m256 acc[2][MAXM], fix[2][MAXM];
+        for (int hh = 0; hh < hp; ++hh)
+            for (int i = 0; i < m; ++i) acc[hh][i] = fix[hh][i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nsb; ++b) {
+            const uint8_t *t = tiles + b * Q6T_BYTES;
+            if (h0 == 0)
+                for (int64_t o = 0; o < Q6T_BYTES; o += 64)
+                    _mm_prefetch((const char *)(t + Q6T_BYTES + o), _MM_HINT_T0);
+            __m256 d[2];
+            for (int hh = 0; hh < hp; ++hh)
+                d[hh] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * (h0 + hh))));
+            /* The sub-block scales as madd takes them; and the offset: the sum over sub-blocks
+             * c of sc_c * (s * sum of the 16 q), times 32 d. */
+            __m256i scp[2][16];
+            for (int hh = 0; hh < hp; ++hh) {
+                __m256 corr[MAXM];
+                for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
+                for (int c = 0; c < 16; ++c) {
+                    const __m256i sc = q6_scales(t + 32 + 16 * c, h0 + hh);
+                    scp[hh][c] = pair16(sc);
+                    const __m256 scf = _mm256_cvtepi32_ps(sc);
+                    for (int i = 0; i < m; ++i)
+                        corr[i] = _mm256_fmadd_ps(
+                            scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]), corr[i]);
+                }
+                for (int i = 0; i < m; ++i)
+                    fix[hh][i] = _mm256_fmadd_ps(corr[i], d[hh], fix[hh][i]);
+            }
+            for (int f = 0; f < 2; ++f) {
+                /* d * s_j of the half's four blocks of 32, j = 8b + 4f + g' */
+                __m256 ds[2][4][MAXM];
+                for (int hh = 0; hh < hp; ++hh)
+                    for (int q = 0; q < 4; ++q)
+                        for (int i = 0; i < m; ++i)
+                            ds[hh][q][i] = _mm256_mul_ps(
+                                d[hh], _mm256_set1_ps(sa[i * nb + b * 8 + 4 * f + q]));
+                for (int G = 0; G < 8; G += 2) { /* two lines: each block's 16 values */
+                    __m256i s16[2][4][MAXM]; /* [half][block g'][activation row] */
+                    for (int hh = 0; hh < hp; ++hh)
+                        for (int q = 0; q < 4; ++q)
+                            for (int i = 0; i < m; ++i) s16[hh][q][i] = _mm256_setzero_si256();
+                    for (int g = G; g < G + 2; ++g) {
+                        __m256i av[4][MAXM];
+                        for (int i = 0; i < m; ++i)
+                            for (int q = 0; q < 4; ++q)
+                                av[q][i] = _mm256_set1_epi32(
+                                    act4(qa + i * k + b * 256 + 128 * f + 32 * q + 4 * g));
+                        for (int hh = 0; hh < hp; ++hh) {
+                            const int h = h0 + hh;
+                            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(
+                                t + Q6T_QL + 64 * (16 * f + g) + 32 * h));
+                            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(
+                                t + Q6T_QL + 64 * (16 * f + 8 + g) + 32 * h));
+                            const __m256i qh = _mm256_loadu_si256((const __m256i *)(
+                                t + Q6T_QH + 64 * (8 * f + g) + 32 * h));
+                            /* Block g' takes bits 2g'..2g'+1 of qh as its bits 4-5. */
+                            const __m256i u[4] = {
+                                _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                                _mm256_and_si256(_mm256_slli_epi16(qh, 4), hi2)),
+                                _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                                _mm256_and_si256(_mm256_slli_epi16(qh, 2), hi2)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                                _mm256_and_si256(qh, hi2)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), hi2))};
+                            /* Two lines per int16 sum: 2 * 2 * 63 * 127 < 32767. */
+                            for (int q = 0; q < 4; ++q)
+                                for (int i = 0; i < m; ++i)
+                                    s16[hh][q][i] = _mm256_add_epi16(
+                                        s16[hh][q][i], _mm256_maddubs_epi16(u[q], av[q][i]));
+                        }
+                    }
+                    for (int hh = 0; hh < hp; ++hh)
+                        for (int q = 0; q < 4; ++q) {
+                            const __m256i sc = scp[hh][8 * f + 2 * q + G / 4];
+                            for (int i = 0; i < m; ++i)
+                                acc[hh][i] = _mm256_fmadd_ps(
+                                    _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[hh][q][i], sc)),
+                                    ds[hh][q][i], acc[hh][i]);
+                        }
+                }
+            }
+        }
+        for (int hh = 0; hh < hp; ++hh)
+            for (int i = 0; i < m; ++i)
+                _mm256_storeu_ps(out[i] + 8 * (h0 + hh),
+                                 _mm256_fnmadd_ps(fix[hh][i], _mm256_set1_ps(32.f), acc[hh][i]));
+    }
+}
+#else
+static inline void group_q6k_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
+                               const float *sa, const float *ss16, int64_t k, const int m,
+                               float out[MAXM][GR]) {
+    const int64_t nb = k / QK;
+    (void)ss16;
+    for (int i = 0; i < m; ++i)
+        for (int r = 0; r < GR; ++r) out[i][r] = 0.f;
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * Q6T_BYTES;
+        for (int r = 0; r < GR; ++r) {
+            const float d = fp16_to_f32(t + 2 * r);
+            for (int j = 0; j < 8; ++j) { /* block of 32: half f, group g */
+                const int f = j / 4, g = j % 4;
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * j;
+                    float sum = 0.f;
+                    for (int half = 0; half < 2; ++half) {
+                        const int sc = (int8_t)t[32 + 16 * (8 * f + 2 * g + half) + r];
+                        int32_t dot = 0;
+                        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+                            const int ql = 64 * f + 32 * (g % 2) + l, qh = 32 * f + l;
+                            const int low = (t[Q6T_QL + 64 * (ql / 4) + 4 * r + ql % 4] >>
+                                             (4 * (g / 2))) & 0x0f;
+                            const int high = (t[Q6T_QH + 64 * (qh / 4) + 4 * r + qh % 4] >>
+                                              (2 * g)) & 3;
+                            dot += ((low | (high << 4)) - 32) * a[l];
+                        }
+                        sum += (float)(sc * dot);
+                    }
+                    out[i][r] += d * sa[i * nb + b * 8 + j] * sum;
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* See qweight.h. */
+int64_t q6k_tile_bytes(int64_t n, int64_t k) { return (n + GR - 1) / GR * (k / 256) * Q6T_BYTES; }
+
+int q6k_rows_to_tiles(const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
+    if (k % 256) return -2;
+    const int64_t nsb = k / 256, groups = (n + GR - 1) / GR;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t b = 0; b < nsb; ++b) {
+            uint8_t *t = tiles + (g * nsb + b) * Q6T_BYTES;
+            if (g * GR + GR > n) memset(t, 0, Q6T_BYTES); /* a last group's padding rows */
+            for (int r = 0; r < GR && g * GR + r < n; ++r) {
+                const uint8_t *blk = rows + ((g * GR + r) * nsb + b) * 210;
+                memcpy(t + 2 * r, blk + 208, 2);
+                for (int c = 0; c < 16; ++c) t[32 + 16 * c + r] = blk[192 + c];
+                for (int q = 0; q < 128; q += 4) memcpy(t + Q6T_QL + 16 * q + 4 * r, blk + q, 4);
+                for (int q = 0; q < 64; q += 4)
+                    memcpy(t + Q6T_QH + 16 * q + 4 * r, blk + 128 + q, 4);
+            }
+        }
+    return 0;
+}
+
+static void group_q6k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
+                      const float *ss16, int64_t k, int64_t m, float out[MAXM][GR]) {
+    switch (m) {
+    case 1: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 1, out); return;
+    case 2: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 2, out); return;
+    case 3: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 3, out); return;
+    default: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 4, out); return;
+    }
+}
+
 /* 3: AVX512-VNNI, 2: AVX-VNNI (256-bit), 1: AVX2, 0: plain C (for tests and logs). */
 int quant_matmul_isa(void) { return ISA; }
 
@@ -521,15 +720,16 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
     const int64_t nb = k / QK;
     /* One allocation: quantized rows, then scales and scaled sums. */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    char *scratch = malloc(qbytes + sizeof(float) * (size_t)(2 * m * nb));
+    char *scratch = malloc(qbytes + sizeof(float) * (size_t)(4 * m * nb));
     if (!scratch) return -1;
     int8_t *qa = (int8_t *)scratch;
-    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * nb;
+    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * nb, *ss16 = ssa + m * nb;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; ++i)
-            quantize_row(xf + i * k, k, qa + i * k, sa + i * nb, ssa + i * nb);
+            quantize_row(xf + i * k, k, qa + i * k, sa + i * nb, ssa + i * nb,
+                         ss16 + 2 * i * nb);
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
             /* Guided, not static: the engine's other threads (the scheduler planning the next
@@ -548,7 +748,10 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
                 for (int64_t i = i0; i < i0 + mc; i += MAXM) {
                     const int64_t mi = i + MAXM <= i0 + mc ? MAXM : i0 + mc - i;
                     float out[MAXM][GR];
-                    if (type == QT_Q4_K || type == QT_Q5_K)
+                    if (type == QT_Q6_K)
+                        group_q6k(tiles, nt, qa + i * k, sa + i * nb, ss16 + 2 * i * nb, k, mi,
+                                  out);
+                    else if (type == QT_Q4_K || type == QT_Q5_K)
                         group_kt(type == QT_Q5_K, tiles, nt, qa + i * k, sa + i * nb,
                                  ssa + i * nb, k, mi, out);
                     else
