@@ -548,43 +548,53 @@ def row(shape: Shape, engine: str, weights: str, **kw: Any) -> dict[str, Any]:
     return {"shape": shape.name, "engine": engine, "weights": weights, **kw}
 
 
+def _forerun_rows(files: ShapeFiles, t: str, args: argparse.Namespace
+                  ) -> list[dict[str, Any]]:
+    shape, rows, logs = files.shape, [], files.root / "logs"
+    for label, model, dtype, quant in forerun_configs(files, [t]):
+        if not model.exists():
+            rows.append(row(shape, "forerun", label, error=f"{model} missing"))
+            continue
+        tag = label.split()[0]
+        _log(f"{shape.name}: forerun {label} (log: {logs / f'forerun-{tag}.log'})")
+        try:
+            r = run_worker("forerun", engine_spec(shape, args, model, dtype, quant),
+                           sys.executable, logs / f"forerun-{tag}.log")
+        except Exception as exc:  # a type forerun cannot load: a row that says so
+            rows.append(row(shape, "forerun", label, file=str(model), error=str(exc)))
+            continue
+        rows.append(row(shape, "forerun", label, file=str(model), **r))
+    return rows
+
+
+def _llama_cpp_row(files: ShapeFiles, t: str, args: argparse.Namespace) -> dict[str, Any]:
+    shape, gguf = files.shape, files.gguf(t)
+    if not gguf.exists() or args.llama_cpp_dir is None:
+        return row(shape, "llama.cpp", t, error=f"{gguf} missing or no --llama-cpp-dir")
+    _log(f"{shape.name}: llama.cpp {t}")
+    llama_dir = Path(args.llama_cpp_dir)
+    try:
+        bench = llama_bench(llama_dir, gguf, args)
+        batched = llama_batched(llama_dir, gguf, args)
+    except (subprocess.CalledProcessError, RuntimeError) as exc:
+        err = getattr(exc, "stderr", None) or str(exc)
+        return row(shape, "llama.cpp", t, file=str(gguf), error=err[-2000:])
+    return row(shape, "llama.cpp", t, file=str(gguf), step_weight_bytes=gguf_step_bytes(gguf),
+               **{**bench, **batched, "load": bench["load"] + batched["load"]})
+
+
 def run_shape(files: ShapeFiles, types: list[str], args: argparse.Namespace
               ) -> list[dict[str, Any]]:
+    """Every engine's rows, one weight type at a time with the engines back to back: a shared
+    machine's speed can drift over a long run, so each ratio compares runs minutes apart,
+    not the two ends of the run."""
     shape, rows = files.shape, []
     logs = files.root / "logs"
-    if "forerun" in args.engines:
-        for label, model, dtype, quant in forerun_configs(files, types):
-            if not model.exists():
-                rows.append(row(shape, "forerun", label, error=f"{model} missing"))
-                continue
-            tag = label.split()[0]
-            _log(f"{shape.name}: forerun {label} (log: {logs / f'forerun-{tag}.log'})")
-            try:
-                r = run_worker("forerun", engine_spec(shape, args, model, dtype, quant),
-                               sys.executable, logs / f"forerun-{tag}.log")
-            except Exception as exc:  # a type forerun cannot load: a row that says so
-                rows.append(row(shape, "forerun", label, file=str(model), error=str(exc)))
-                continue
-            rows.append(row(shape, "forerun", label, file=str(model), **r))
-    if "llama.cpp" in args.engines:
-        for t in (t for t in types if t in GGUF_TYPES):
-            gguf = files.gguf(t)
-            if not gguf.exists() or args.llama_cpp_dir is None:
-                rows.append(row(shape, "llama.cpp", t, error=f"{gguf} missing or no "
-                                "--llama-cpp-dir"))
-                continue
-            _log(f"{shape.name}: llama.cpp {t}")
-            llama_dir = Path(args.llama_cpp_dir)
-            try:
-                bench = llama_bench(llama_dir, gguf, args)
-                batched = llama_batched(llama_dir, gguf, args)
-            except (subprocess.CalledProcessError, RuntimeError) as exc:
-                err = getattr(exc, "stderr", None) or str(exc)
-                rows.append(row(shape, "llama.cpp", t, file=str(gguf), error=err[-2000:]))
-                continue
-            rows.append(row(shape, "llama.cpp", t, file=str(gguf),
-                            step_weight_bytes=gguf_step_bytes(gguf),
-                            **{**bench, **batched, "load": bench["load"] + batched["load"]}))
+    for t in types:
+        if "forerun" in args.engines:
+            rows += _forerun_rows(files, t, args)
+        if "llama.cpp" in args.engines and t in GGUF_TYPES:
+            rows.append(_llama_cpp_row(files, t, args))
     if "vllm" in args.engines and args.vllm_python and "bf16" in types:
         _log(f"{shape.name}: vLLM bf16")
         try:
