@@ -40,6 +40,13 @@ def gguf_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+def gguf_paths(gguf_variants: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What a GGUF kernel test checks: each build of :func:`gguf_variants` by name, then
+    ``("torch", None)``, the pure-torch function."""
+    return [*gguf_variants.items(), ("torch", None)]
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
     """transformers' tokenizer read from the default GGUF (a few seconds to build), once per
     session; tests only encode, decode and render templates with it, never change it."""

@@ -33,16 +33,6 @@ SHAPES = [(1, 37, 256), (1, 96, 1024), (3, 17, 768), (5, 1, 512), (64, 45, 256),
           (64, 8, 1536)]
 
 
-@pytest.fixture(scope="module")
-def variants(gguf_variants: dict[str, ctypes.CDLL | None]) -> dict[str, ctypes.CDLL | None]:
-    """Loaded libraries per path name; None is the kernel library's native build."""
-    return gguf_variants
-
-
-def _paths(variants: dict[str, ctypes.CDLL | None]) -> list[tuple[str, ctypes.CDLL | None]]:
-    return [*variants.items(), ("torch", None)]
-
-
 def _weights(qtype: GT, n: int, k: int, seed: int, random_bytes: bool) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if random_bytes:
@@ -81,7 +71,7 @@ def _run(lin: GGUFLinear, x: torch.Tensor, path: str, lib: ctypes.CDLL | None,
 @pytest.mark.parametrize("random_bytes", [False, True], ids=["packed", "random-bytes"])
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_kquant_matmul_matches_float64_oracle(variants, qtype: GT, shape, random_bytes: bool
+def test_kquant_matmul_matches_float64_oracle(gguf_paths, qtype: GT, shape, random_bytes: bool
                                               ) -> None:
     m, n, k = shape
     raw = _weights(qtype, n, k, seed=m * 1000 + n + int(qtype), random_bytes=random_bytes)
@@ -91,12 +81,12 @@ def test_kquant_matmul_matches_float64_oracle(variants, qtype: GT, shape, random
     x[0, :32] = 0.0  # an all-zero activation block (scale 0)
     xd = x.double().numpy()
     oracle, exact = _act_oracle(xd) @ wd.T, xd @ wd.T
-    for path, lib in _paths(variants):
+    for path, lib in gguf_paths:
         _check(_run(lin, x, path, lib), x, oracle, exact)
 
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
-def test_largest_quants_against_largest_activations_do_not_overflow(variants, qtype: GT
+def test_largest_quants_against_largest_activations_do_not_overflow(gguf_paths, qtype: GT
                                                                     ) -> None:
     """Every quant and scale bit set, activations quantizing to +-127 everywhere: the integer
     sums at their bound (the int16 stages of the AVX2 bodies included)."""
@@ -114,14 +104,14 @@ def test_largest_quants_against_largest_activations_do_not_overflow(variants, qt
     x[2::3, ::2] = -1.0
     xd = x.double().numpy()
     oracle = _act_oracle(xd) @ wd.T
-    for path, lib in _paths(variants):
+    for path, lib in gguf_paths:
         _check(_run(lin, x, path, lib), x, oracle, xd @ wd.T)
 
 
-def test_every_available_body_was_checked(variants) -> None:
+def test_every_available_body_was_checked(gguf_variants) -> None:
     if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler here: only the torch fallback runs")
-    isas = {cpu_kernels.kquant_matmul_isa(lib) for lib in variants.values()}
+    isas = {cpu_kernels.kquant_matmul_isa(lib) for lib in gguf_variants.values()}
     assert "c" in isas  # the plain-C body runs on any x86-64
     flags = cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags:
@@ -148,7 +138,7 @@ def test_vnni_bodies_build(tmp_path: Path, march: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
-def test_bias_bfloat16_and_module_call(variants, qtype: GT) -> None:
+def test_bias_bfloat16_and_module_call(gguf_paths, qtype: GT) -> None:
     raw = _weights(qtype, 40, 512, seed=7, random_bytes=False)
     wd = dequantize(raw, qtype).astype(np.float64)
     bias = torch.randn(40, generator=torch.Generator().manual_seed(4))
@@ -158,7 +148,7 @@ def test_bias_bfloat16_and_module_call(variants, qtype: GT) -> None:
     for xin, b in ((x, bias), (x.bfloat16(), bias.bfloat16())):
         xd, bd = xin.double().numpy(), b.double().numpy()
         oracle, exact = _act_oracle(xd) @ wd.T + bd, xd @ wd.T + bd
-        for path, lib in _paths(variants):
+        for path, lib in gguf_paths:
             y = _run(lin, xin, path, lib, b)
             assert y.dtype == xin.dtype
             _check(y, xin, oracle, exact)
@@ -171,7 +161,7 @@ def test_bias_bfloat16_and_module_call(variants, qtype: GT) -> None:
            xd @ wd.T + bias.double().numpy())
 
 
-def test_fused_parts_of_both_families(variants) -> None:
+def test_fused_parts_of_both_families(gguf_paths) -> None:
     """q/k/v-like parts in Q4_K, Q8_0 and Q6_K (as Q4_K_M files mix them): each family's
     kernel runs on its columns (both quantize the activations per 32)."""
     rng = np.random.default_rng(5)
@@ -183,7 +173,7 @@ def test_fused_parts_of_both_families(variants) -> None:
     bias = torch.randn(44, generator=torch.Generator().manual_seed(1))
     lin = GGUFLinear([(int(t), torch.from_numpy(r.copy())) for t, r in raws], k,
                      torch.nn.Parameter(bias, requires_grad=False))
-    assert [run[0] for run in lin._runs] == [True, False, True]  # K-quant, 32-value, K-quant
+    assert [kq for kq, _ in lin.family_runs()] == [True, False, True]
     assert "Q4_K+Q8_0+Q6_K+Q5_K" in repr(lin)
     for m in (1, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

@@ -27,12 +27,6 @@ QTYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1]
 SHAPES = [(1, 37, 32), (1, 96, 576), (3, 17, 160), (64, 45, 96), (64, 8, 1536)]
 
 
-@pytest.fixture(scope="module")
-def variants(gguf_variants: dict[str, ctypes.CDLL | None]) -> dict[str, ctypes.CDLL | None]:
-    """Loaded libraries per path name; None is the kernel library's native build."""
-    return gguf_variants
-
-
 def _linear(qtype: GT, n: int, k: int, seed: int) -> tuple[GGUFLinear, np.ndarray]:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -71,25 +65,21 @@ def _run(lin: GGUFLinear, x: torch.Tensor, path: str, lib: ctypes.CDLL | None,
     return cpu_kernels.gguf_matmul(x.contiguous(), lin.desc, lin.out_features, bias, lib=lib)
 
 
-def _paths(variants: dict[str, ctypes.CDLL | None]) -> list[tuple[str, ctypes.CDLL | None]]:
-    return [*variants.items(), ("torch", None)]
-
-
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gguf_matmul_matches_float64_oracle(variants, qtype: GT, shape) -> None:
+def test_gguf_matmul_matches_float64_oracle(gguf_paths, qtype: GT, shape) -> None:
     m, n, k = shape
     lin, wd = _linear(qtype, n, k, seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     x[0, :32] = 0.0  # an all-zero activation block (scale 0)
-    for path, lib in _paths(variants):
+    for path, lib in gguf_paths:
         _check(_run(lin, x, path, lib), x, wd)
 
 
-def test_every_available_body_was_checked(variants) -> None:
+def test_every_available_body_was_checked(gguf_variants) -> None:
     if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler here: only the torch fallback runs")
-    isas = {cpu_kernels.quant_matmul_isa(lib) for lib in variants.values()}
+    isas = {cpu_kernels.quant_matmul_isa(lib) for lib in gguf_variants.values()}
     assert "c" in isas  # the plain-C body runs on any x86-64
     flags = cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags:
@@ -101,11 +91,11 @@ def test_every_available_body_was_checked(variants) -> None:
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-def test_bias_and_bfloat16(variants, qtype: GT) -> None:
+def test_bias_and_bfloat16(gguf_paths, qtype: GT) -> None:
     lin, wd = _linear(qtype, 40, 96, seed=7)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(40, generator=torch.Generator().manual_seed(4))
-    for path, lib in _paths(variants):
+    for path, lib in gguf_paths:
         _check(_run(lin, x, path, lib, bias), x, wd, bias.double().numpy())
         xb, bb = x.bfloat16(), bias.bfloat16()
         y = _run(lin, xb, path, lib, bb)
@@ -113,7 +103,7 @@ def test_bias_and_bfloat16(variants, qtype: GT) -> None:
         _check(y, xb.float(), wd, bb.double().numpy())
 
 
-def test_fused_parts_of_different_types(variants) -> None:
+def test_fused_parts_of_different_types(gguf_paths) -> None:
     rng = np.random.default_rng(5)
     ws = [rng.standard_normal((n, 64)).astype(np.float32) for n in (24, 8, 9)]
     types = [GT.Q4_1, GT.Q8_0, GT.Q4_0]
@@ -124,7 +114,7 @@ def test_fused_parts_of_different_types(variants) -> None:
                         ).astype(np.float64)
     for m in (1, 64):
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
-        for path, lib in _paths(variants):
+        for path, lib in gguf_paths:
             _check(_run(lin, x, path, lib), x, wd)
     x = torch.randn(2, 3, 64)  # leading dimensions are kept
     assert lin(x).shape == (2, 3, 41)

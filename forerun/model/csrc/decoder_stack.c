@@ -66,7 +66,8 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
 
 /* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
  * (small_matmul over plain/packed weights, or gguf_matmul over GGUF blocks of any type,
- * whose weight "addresses" are qweight_t descriptors: quantization="gguf"), NAME the entry point. */
+ * whose weight "addresses" are qweight_t descriptors: quantization="gguf"), NAME the entry
+ * point. */
 #define DEFINE_STACK(T, SFX, MM, NAME)                                                          \
     int NAME(int64_t num_layers, const int64_t *layer_ptrs,                                     \
                             const T *final_norm, T *x, T *residual, int64_t t,                  \

@@ -17,7 +17,7 @@
 #include "bf16.h"
 #include "qweight.h"
 
-#define QT_Q6_K 14
+enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q6_K = 14, QT_IQ4_XS = 23 }; /* ggml's type ids */
 /* From this many activation rows on, Q6_K parts (held as rows) are regrouped into tiles for
  * the call (2048 x 8192 on 2 cores, regrouping included: 0.5x the rows' speed at 4 rows,
  * 0.8x at 16, 1.1x at 32, 1.5x at 64). */
@@ -27,7 +27,8 @@
  * rows: Q2_K, Q3_K, IQ4_XS always, Q6_K for few rows. The rest (Q4_0, Q4_1, Q8_0, and Q4_K,
  * Q5_K, and Q6_K for many rows, in tiles) are quant_matmul.c's. */
 static int is_kquant(int64_t type, int64_t m) {
-    return type == 10 || type == 11 || type == 23 || (type == QT_Q6_K && m < Q6K_TILE_ROWS);
+    return type == QT_Q2_K || type == QT_Q3_K || type == QT_IQ4_XS ||
+           (type == QT_Q6_K && m < Q6K_TILE_ROWS);
 }
 
 /* y [m, n] (float32, row stride n) = xf [m, k] @ W.T, run by run. */

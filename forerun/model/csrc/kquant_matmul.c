@@ -171,7 +171,8 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
     case QT_IQ4_XS: {
         *d = fp16_to_f32(blk);
         *dmin = 0.f;
-        uint64_t lo = 0, hi = 0; /* per 32 values: lane order 0 2 4 6 1 3 5 7 reads 0 1 2 3 0 1 2 3 */
+        /* Per 32 values: lane order 0 2 4 6 1 3 5 7 reads blocks of 32 0 1 2 3 0 1 2 3. */
+        uint64_t lo = 0, hi = 0;
         for (int s = 0; s < 4; ++s) {
             lo |= (uint64_t)(uint8_t)iq4xs_scale(blk, s) << (8 * s);
             hi |= (uint64_t)(uint8_t)iq4xs_scale(blk, s + 4) << (8 * s);

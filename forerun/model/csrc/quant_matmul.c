@@ -70,8 +70,8 @@ static inline int64_t block_values(int64_t type) {
 }
 
 /* ---- activations ------------------------------------------------------------------------ */
-/* Row of k floats -> int8 per block of 32, its scale s and s * sum(q); and s * sum(q) per
- * 16 values (Q6_K's sub-blocks). */
+/* Row of k floats -> int8 per block of 32, its scale s and s * sum(q); and, where ss16 is
+ * not NULL, s * sum(q) per 16 values (Q6_K's sub-blocks). */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *ssum,
                          float *ss16) {
     for (int64_t b = 0; b < k / QK; ++b) {
@@ -87,8 +87,10 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *
         }
         s[b] = d;
         ssum[b] = d * (float)(sum[0] + sum[1]);
-        ss16[2 * b] = d * (float)sum[0];
-        ss16[2 * b + 1] = d * (float)sum[1];
+        if (ss16) {
+            ss16[2 * b] = d * (float)sum[0];
+            ss16[2 * b + 1] = d * (float)sum[1];
+        }
     }
 }
 
@@ -331,8 +333,8 @@ static inline __m256 u8x8_to_ps(__m128i v, int high) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high ? _mm_unpackhi_epi64(v, v) : v));
 }
 
-/* Half h (rows 8h..8h+7) of a group against m activation rows; per tile, per pair of
- * sub-blocks, the byte products are summed in int16 (8 * 2 * 15 * 127 < 32767) or by VNNI
+/* A group of 16 rows (as two halves of 8, rows 8h..8h+7 of each line) against m activation
+ * rows; per tile and pair of sub-blocks the byte products are summed in int16 or, with VNNI,
  * in int32. */
 static inline __attribute__((always_inline)) void group_kt_m(
     const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
@@ -523,8 +525,8 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
 #define Q6T_QH 2336
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-/* The int8 scale bytes of rows 8h..8h+7 as int32 lanes (for the float correction) and as
- * int16 pairs (s, s) per lane (for madd). */
+/* The int8 scale bytes of rows 8h..8h+7 as int32 lanes (for the float correction); pair16
+ * makes each lane the int16 pair (s, s) that madd takes. */
 static inline __m256i q6_scales(const uint8_t *line, int h) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(line + 8 * h)));
 }
@@ -667,7 +669,9 @@ static inline void group_q6k_m(const uint8_t *tiles, int64_t nsb, const int8_t *
 #endif
 
 /* See qweight.h. */
-int64_t q6k_tile_bytes(int64_t n, int64_t k) { return (n + GR - 1) / GR * (k / 256) * Q6T_BYTES; }
+int64_t q6k_tile_bytes(int64_t n, int64_t k) {
+    return (n + GR - 1) / GR * (k / 256) * Q6T_BYTES;
+}
 
 int q6k_rows_to_tiles(const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
     if (k % 256) return -2;
@@ -718,18 +722,21 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
     }
     first_group[w->nparts] = groups;
     const int64_t nb = k / QK;
-    /* One allocation: quantized rows, then scales and scaled sums. */
+    int with16 = 0; /* Q6_K's sums per 16, only where a part needs them */
+    for (int64_t p = 0; p < w->nparts; ++p) with16 |= w->type[p] == QT_Q6_K;
+    /* One allocation: quantized rows, then scales and scaled sums (per 32, [per 16]). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    char *scratch = malloc(qbytes + sizeof(float) * (size_t)(4 * m * nb));
+    char *scratch = malloc(qbytes + sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
     if (!scratch) return -1;
     int8_t *qa = (int8_t *)scratch;
-    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * nb, *ss16 = ssa + m * nb;
+    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * nb;
+    float *ss16 = with16 ? ssa + m * nb : NULL;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; ++i)
             quantize_row(xf + i * k, k, qa + i * k, sa + i * nb, ssa + i * nb,
-                         ss16 + 2 * i * nb);
+                         with16 ? ss16 + 2 * i * nb : NULL);
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
             /* Guided, not static: the engine's other threads (the scheduler planning the next

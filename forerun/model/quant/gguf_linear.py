@@ -3,8 +3,8 @@ file's own blocks: Q8_0 / Q4_0 / Q4_1, and the K-quants Q2_K / Q3_K / Q4_K / Q5_
 IQ4_XS.
 
 The blocks are copied out of the file once and never dequantized as a whole: the 32-value
-types and Q4_K regrouped in tiles of 16 rows (the same bytes), the other K-quants as they
-are. The C kernels read them for every matmul through one entry point
+types, Q4_K and Q5_K regrouped in tiles of 16 rows (the same bytes), the other K-quants as
+they are. The C kernels read them for every matmul through one entry point
 (``csrc/gguf_matmul.c``): ``csrc/quant_matmul.c`` the tiles, with activations quantized per
 32 (why: :mod:`forerun.model.quant.gguf_blocks`), and ``csrc/kquant_matmul.c`` the other
 K-quants, with activations quantized per 32 as well
@@ -24,6 +24,7 @@ its quantized size.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -67,8 +68,8 @@ class GGUFLinear(nn.Module):
     ``parts`` are ``(ggml type id, uint8 rows [rows_i, row_bytes_i])`` stacked along the
     output dimension: a fused projection (q/k/v, gate/up) whose checkpoint tensors differ in
     type keeps each as stored. ``bias`` stays a float parameter (loaded like any other).
-    The 32-value types and Q4_K are held regrouped by 16 rows (:func:`repack_tiles`), the
-    other K-quants as the file's rows.
+    The 32-value types, Q4_K and Q5_K are held regrouped by 16 rows (:func:`repack_tiles`),
+    the other K-quants as the file's rows.
     """
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,
@@ -99,18 +100,6 @@ class GGUFLinear(nn.Module):
             self.desc.type[slot] = qtype
             self.desc.rows[slot] = rows
             self.desc.data[slot] = stored.data_ptr()
-        # Runs of parts of one family, (kquant, first part, stop part, first column, stop
-        # column): the torch fallback calls each family's function once per run.
-        self._runs: list[tuple[bool, int, int, int, int]] = []
-        col = 0
-        for i, (qtype, rows, _) in enumerate(self.tiles):
-            kq = qtype in KQUANT_TYPES
-            if self._runs and self._runs[-1][0] == kq:
-                _, first, _, start, _ = self._runs[-1]
-                self._runs[-1] = (kq, first, i + 1, start, col + rows)
-            else:
-                self._runs.append((kq, i, i + 1, col, col + rows))
-            col += rows
 
     @property
     def parts(self) -> list[tuple[int, torch.Tensor]]:
@@ -126,14 +115,21 @@ class GGUFLinear(nn.Module):
                                            None if bias is None else bias.contiguous())
         return self.forward_torch(x)
 
+    def family_runs(self) -> list[tuple[bool, list[tuple[int, torch.Tensor]]]]:
+        """The parts (:attr:`parts`) in runs of one family, ``(K-quant?, parts)`` in row
+        order: the torch functions take one family each."""
+        return [(kq, list(run)) for kq, run in
+                itertools.groupby(self.parts, key=lambda part: part[0] in KQUANT_TYPES)]
+
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """The same function in torch (the fallback, and the kernels' reference)."""
-        bias = self.bias
-        parts = self.parts
-        outs = [(kquant_matmul_torch if kq else gguf_matmul_torch)(
-                    x, parts[first:stop], None if bias is None else bias[start:stop_col])
-                for kq, first, stop, start, stop_col in self._runs]
-        # Each family's columns with their share of the bias, rounded once to x's dtype.
+        outs, col = [], 0
+        for kq, run in self.family_runs():
+            rows = sum(raw.shape[0] for _, raw in run)
+            # Each family's columns with their share of the bias, rounded once to x's dtype.
+            bias = None if self.bias is None else self.bias[col:col + rows]
+            outs.append((kquant_matmul_torch if kq else gguf_matmul_torch)(x, run, bias))
+            col += rows
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
