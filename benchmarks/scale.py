@@ -174,6 +174,27 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def memory_gib() -> dict[str, float]:
+    """This process's resident memory now and its peak so far, in GiB (/proc/self/status)."""
+    with open("/proc/self/status") as f:
+        kib = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f)
+               if k in ("VmRSS", "VmHWM")}
+    return {"rss_gib": kib["VmRSS"] / 2**20, "peak_rss_gib": kib["VmHWM"] / 2**20}
+
+
+def run_peak_rss(cmd: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``subprocess.run(cmd, check=True)`` with its output captured, and the child's peak
+    resident memory in GiB (its own rusage, from wait4)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    done.check_returncode()
+    return done, usage.ru_maxrss / 2**20  # KiB on Linux
+
 def _run(cmd: list[str], log: Path | None = None) -> None:
     """Run ``cmd``; with ``log``, its output goes there (and its tail to stderr on failure)."""
     _log("+ " + " ".join(cmd))
@@ -430,13 +451,20 @@ def forerun_worker(spec: dict[str, Any]) -> dict[str, Any]:
               max_model_len=spec["max_model_len"], max_num_seqs=spec["batch"],
               kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=spec["seed"])
     load_s = time.perf_counter() - t0
-    _log(f"loaded {spec['model']} in {load_s:.1f} s")
+    loaded = memory_gib()
+    _log(f"loaded {spec['model']} in {load_s:.1f} s, resident {loaded['rss_gib']:.2f} GiB "
+         f"(peak {loaded['peak_rss_gib']:.2f})")
     try:
         model = llm.llm_engine.executor.runner.model
         result = measure_generate(llm, SamplingParams, spec)
+        stats = llm.stats()
         result.update(load_s=load_s, step_weight_bytes=forerun_step_bytes(model),
                       dtype=str(model.model.norm.weight.dtype).removeprefix("torch."),
-                      async_scheduling=llm.stats().async_scheduling)
+                      async_scheduling=stats.async_scheduling,
+                      weight_gib=stats.weight_bytes / 2**30,
+                      kv_cache_gib=spec["kv_cache_bytes"] / 2**30,
+                      rss_after_load_gib=loaded["rss_gib"],
+                      peak_rss_during_load_gib=loaded["peak_rss_gib"], **memory_gib())
     finally:
         llm.shutdown()
     return result
@@ -451,6 +479,7 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
               max_num_seqs=spec["batch"], seed=spec["seed"])
     result = measure_generate(llm, SamplingParams, spec)
     result["load_s"] = time.perf_counter() - t0
+    result.update(memory_gib())  # the API process only: vLLM's engine core is a child
     result["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     return result
 
@@ -486,8 +515,8 @@ def llama_bench(llama_dir: Path, gguf: Path, args: argparse.Namespace) -> dict[s
            "-o", "json"]
     load = check_quiet(f"llama-bench {gguf.name}")
     _log("+ " + " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    result: dict[str, Any] = {"bench_cmd": cmd, "load": [load]}
+    proc, peak = run_peak_rss(cmd)
+    result: dict[str, Any] = {"bench_cmd": cmd, "load": [load], "peak_rss_gib": peak}
     for e in json.loads(proc.stdout):
         kind = "prompt" if e["n_prompt"] > 0 else "decode"
         result[f"{kind}_tok_s"] = e["avg_ts"]
@@ -504,10 +533,11 @@ def llama_batched(llama_dir: Path, gguf: Path, args: argparse.Namespace) -> dict
            "-t", str(args.threads), "-c", str(ctx), "-npp", str(args.decode_len),
            "-ntg", str(args.decode_len), "-npl", str(args.batch), "--output-format", "jsonl"]
     load = check_quiet(f"llama-batched-bench {gguf.name}")
-    runs = []
+    runs, peak = [], 0.0
     for _ in range(args.repeats):
         _log("+ " + " ".join(cmd))
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        proc, rss = run_peak_rss(cmd)
+        peak = max(peak, rss)
         lines = [ln for ln in (proc.stdout + "\n" + proc.stderr).splitlines()
                  if ln.startswith("{") and '"speed_tg"' in ln]
         if not lines:
@@ -515,7 +545,8 @@ def llama_batched(llama_dir: Path, gguf: Path, args: argparse.Namespace) -> dict
         runs.append(json.loads(lines[-1]))
     tok_s = [args.batch * args.decode_len / r["t"] for r in runs]
     return {"batch_tok_s": statistics.median(tok_s), "batch_tok_s_all": tok_s,
-            "batched_runs": runs, "batched_cmd": cmd, "load": [load]}
+            "batched_runs": runs, "batched_cmd": cmd, "load": [load],
+            "batched_peak_rss_gib": peak}
 
 
 # --- one shape ----------------------------------------------------------------------------
@@ -626,7 +657,9 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "decode tok/s": r.get("decode_tok_s"),
                          "ms/token": r.get("decode_ms_per_token"),
                          "floor ratio": r.get("floor_ratio", ""),
-                         "batch tok/s": r.get("batch_tok_s")})
+                         "batch tok/s": r.get("batch_tok_s"),
+                         "peak RSS GiB": max(r.get("peak_rss_gib", 0.0),
+                                             r.get("batched_peak_rss_gib", 0.0)) or ""})
         out.append(line)
     return out
 

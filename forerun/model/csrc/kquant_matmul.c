@@ -63,12 +63,16 @@ static inline int iq4xs_scale(const uint8_t *blk, int s) {
 }
 
 
-/* One quantized activation row: q[k], and per 16 values (in lane order, below) the scale s
- * of their block of 32 and s times the sum of their 16 q. */
+/* One quantized activation row: q[k]; per 16 values (in lane order, below) the scale s of
+ * their block of 32 and s times the sum of their 16 q; and in natural order the scale per
+ * 32 and the integer sum per 16 (Q6_K's body, which weights its products by the sub-block
+ * scales before the horizontal sum). */
 typedef struct {
     const int8_t *q;
     const float *s16;
     const float *ss16;
+    const float *s32;
+    const int16_t *bs16;
 } act_t;
 
 /* "Lane order" of a super-block's 16 sub-blocks of 16 values: the order in which the AVX2
@@ -88,7 +92,8 @@ static int64_t kblock_bytes(int64_t type) {
 }
 
 /* ---- activations ------------------------------------------------------------------------ */
-static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s16, float *ss16) {
+static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s16, float *ss16,
+                           float *s32, int16_t *bs16) {
     for (int64_t b = 0; b < k / 32; ++b) {
         const float *xb = x + b * 32;
         float amax = 0.f;
@@ -104,7 +109,9 @@ static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s16, flo
             const int64_t t = 2 * b + h, at = (t / 16) * 16 + SUBPOS(t % 16);
             s16[at] = d;
             ss16[at] = d * (float)sum;
+            bs16[t] = (int16_t)sum;
         }
+        s32[b] = d;
     }
 }
 
@@ -429,8 +436,91 @@ static inline __attribute__((always_inline)) void row_dot_m(
 #endif
 }
 
+#if ISA >= 1
+/* Q6_K's own AVX2 body: the products of each 32 values are weighted by their two sub-block
+ * scales in int32 (madd of the int16 pair sums with the scales, as int16), so one float
+ * conversion and FMA per 32 values (their activation scale) replaces the other types'
+ * horizontal-add tree; the offset 32 comes back per super-block from the integer sums per
+ * 16 (one madd with the same scales). 1.3x the generic body on a 2048 x 8192 GEMV. */
+static inline __attribute__((always_inline)) void row_dot_q6k_m(
+    const uint8_t *w, int64_t nb, const act_t *a, const int m, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    /* In-lane picks of int16 element 2j (low lane) and 2j + 1 (high lane), j < 4. */
+    __m256i pick[4];
+    for (int j = 0; j < 4; ++j)
+        pick[j] = _mm256_setr_epi8(
+            4 * j, 4 * j + 1, 4 * j, 4 * j + 1, 4 * j, 4 * j + 1, 4 * j, 4 * j + 1, 4 * j,
+            4 * j + 1, 4 * j, 4 * j + 1, 4 * j, 4 * j + 1, 4 * j, 4 * j + 1, 4 * j + 2,
+            4 * j + 3, 4 * j + 2, 4 * j + 3, 4 * j + 2, 4 * j + 3, 4 * j + 2, 4 * j + 3,
+            4 * j + 2, 4 * j + 3, 4 * j + 2, 4 * j + 3, 4 * j + 2, 4 * j + 3, 4 * j + 2,
+            4 * j + 3);
+    __m256 acc[MAXM];
+    for (int i = 0; i < m; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + b * 210;
+        for (int64_t o = 0; o < 210; o += 64)
+            _mm_prefetch((const char *)(blk + PREFETCH_BLOCKS * 210 + o), _MM_HINT_T0);
+        /* Value 32j + i of the super-block in u[j], lane i (unsigned, 0..63). */
+        __m256i u[8];
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            u[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                       _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+            u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+            u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                           _mm256_and_si256(qh, m30));
+            u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        }
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m256i sc_lo = _mm256_permute4x64_epi64(sc, 0x44),
+                      sc_hi = _mm256_permute4x64_epi64(sc, 0xee);
+        __m256i scj[8];
+        for (int j = 0; j < 4; ++j) {
+            scj[j] = _mm256_shuffle_epi8(sc_lo, pick[j]);
+            scj[j + 4] = _mm256_shuffle_epi8(sc_hi, pick[j]);
+        }
+        const __m256 d = _mm256_set1_ps(fp16_to_f32(blk + 208));
+        for (int i = 0; i < m; ++i) {
+            const int8_t *q = a[i].q + b * QK_K;
+            const float *s32 = a[i].s32 + b * 8;
+            /* Four chains: one FMA chain of 8 would stall on the FMA's latency at m = 1. */
+            __m256 t4[4];
+            for (int j = 0; j < 8; ++j) {
+                const __m256i p = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(u[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j))),
+                    scj[j]);
+                const __m256 f = _mm256_cvtepi32_ps(p), sj = _mm256_broadcast_ss(s32 + j);
+                t4[j % 4] = j < 4 ? _mm256_mul_ps(f, sj) : _mm256_fmadd_ps(f, sj, t4[j % 4]);
+            }
+            __m256 t = _mm256_add_ps(_mm256_add_ps(t4[0], t4[1]), _mm256_add_ps(t4[2], t4[3]));
+            /* The offset: 32 * sc * (sum of the 16 activations), per block of 32 (lane j). */
+            const __m256i off = _mm256_madd_epi16(
+                _mm256_loadu_si256((const __m256i *)(a[i].bs16 + b * 16)), sc);
+            t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off),
+                                 _mm256_mul_ps(_mm256_set1_ps(32.f), _mm256_loadu_ps(s32)), t);
+            acc[i] = _mm256_fmadd_ps(t, d, acc[i]);
+        }
+    }
+    for (int i = 0; i < m; ++i) out[i] = hsum8(acc[i]);
+}
+#endif
+
 static void row_dot(int64_t type, const uint8_t *w, int64_t nb, const act_t *a, int64_t m,
                     float *out) {
+#if ISA >= 1
+    if (type == QT_Q6_K) {
+        switch (m) {
+        case 1: row_dot_q6k_m(w, nb, a, 1, out); return;
+        case 2: row_dot_q6k_m(w, nb, a, 2, out); return;
+        case 3: row_dot_q6k_m(w, nb, a, 3, out); return;
+        default: row_dot_q6k_m(w, nb, a, 4, out); return;
+        }
+    }
+#endif
     switch (m) {
     case 1: row_dot_m(type, w, nb, a, 1, out); return;
     case 2: row_dot_m(type, w, nb, a, 2, out); return;
@@ -454,17 +544,21 @@ int kquant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ld
     }
     first_row[w->nparts] = total;
     const int64_t n = total, nb = k / QK_K;
-    /* One allocation: quantized rows, then scales and scaled sums (per 16, lane order). */
+    /* One allocation: quantized rows, then scales and scaled sums (per 16, lane order),
+     * scales per 32 and integer sums per 16 (natural order). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    char *scratch = malloc(qbytes + sizeof(float) * (size_t)(2 * m * (k / 16)));
+    const size_t fl = (size_t)(2 * m * (k / 16) + m * (k / 32));
+    char *scratch = malloc(qbytes + sizeof(float) * fl + sizeof(int16_t) * (size_t)(m * (k / 16)));
     if (!scratch) return -1;
     int8_t *qa = (int8_t *)scratch;
-    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * (k / 16);
+    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * (k / 16), *s32 = ssa + m * (k / 16);
+    int16_t *bs16 = (int16_t *)(s32 + m * (k / 32));
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; ++i)
-            quantize_row_k(xf + i * k, k, qa + i * k, sa + i * (k / 16), ssa + i * (k / 16));
+            quantize_row_k(xf + i * k, k, qa + i * k, sa + i * (k / 16), ssa + i * (k / 16),
+                           s32 + i * (k / 32), bs16 + i * (k / 16));
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
             /* Guided, not static: the engine's other threads (the scheduler planning the next
@@ -481,7 +575,8 @@ int kquant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ld
                     act_t acts[MAXM];
                     for (int64_t t = 0; t < mi; ++t)
                         acts[t] = (act_t){qa + (i + t) * k, sa + (i + t) * (k / 16),
-                                          ssa + (i + t) * (k / 16)};
+                                          ssa + (i + t) * (k / 16), s32 + (i + t) * (k / 32),
+                                          bs16 + (i + t) * (k / 16)};
                     float out[MAXM];
                     row_dot(type, row, nb, acts, mi, out);
                     for (int64_t t = 0; t < mi; ++t) y[(i + t) * ldy + r] = out[t];
