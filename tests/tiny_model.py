@@ -29,6 +29,12 @@ def write_tiny_llama(folder: Path, vocab: int = 320, eos: int = 2, seed: int = 4
                     else 0.15 * torch.randn_like(p))
     hf.eval()
     hf.save_pretrained(folder)
+    write_word_tokenizer(folder, vocab, eos)
+    return hf
+
+
+def write_word_tokenizer(folder: Path, vocab: int, eos: int) -> None:
+    """A word-level tokenizer "w0z".."w{vocab-1}z" (bos w1z, eos w{eos}z) into ``folder``."""
     tk = Tokenizer(models.WordLevel({f"w{i}z": i for i in range(vocab)}, unk_token="w0z"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0z", bos_token="w1z",
@@ -38,4 +44,3 @@ def write_tiny_llama(folder: Path, vocab: int = 320, eos: int = 2, seed: int = 4
     tok_cfg = json.loads(cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(tok_cfg))
-    return hf

@@ -95,6 +95,6 @@ def stage_weights(model: nn.Module, stage: PipelineStage,
         local = stage.local_name(name)
         if local is None:
             continue
-        target, _ = model._checkpoint_target(local)
+        target = model.weight_slot(local).param
         if target in params or model.skip_weight(local):
             yield local, tensor

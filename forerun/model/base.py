@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,17 @@ logger = logging.getLogger(__name__)
 
 # (fused parameter's module name, row offset, row count) for one checkpoint projection.
 Shard = tuple[str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Where one checkpoint tensor goes: the parameter ``param``, in it entry ``index`` of
+    the first dimension (an expert of a stacked MoE weight), then ``rows`` (offset, count)
+    of the first remaining dimension (a projection of a fused one); None: the whole."""
+
+    param: str
+    index: int | None = None
+    rows: tuple[int, int] | None = None
 
 
 class CausalLM(nn.Module):
@@ -70,12 +82,18 @@ class CausalLM(nn.Module):
         """True for checkpoint tensors that are deliberately not loaded."""
         return name.endswith("rotary_emb.inv_freq")
 
-    def _checkpoint_target(self, name: str) -> tuple[str, tuple[int, int] | None]:
+    def weight_slot(self, name: str) -> WeightSlot:
+        """Where checkpoint tensor ``name`` loads (fused projections: ``packed_shards``)."""
         for key, (fused, offset, size) in self.packed_shards().items():
             marker = f".{key}."
             if marker in name:
-                return name.replace(marker, f".{fused}."), (offset, size)
-        return name, None
+                return WeightSlot(name.replace(marker, f".{fused}."), rows=(offset, size))
+        return WeightSlot(name)
+
+    def names_loaded_by(self, name: str) -> set[str]:
+        """The expected checkpoint names that tensor ``name`` provides (itself, except a
+        stacked MoE tensor, which stands for every expert's)."""
+        return {name}
 
     def expected_weight_names(self) -> set[str]:
         """Checkpoint names that must all be present for the model to be complete."""
@@ -100,18 +118,20 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if self.skip_weight(name):
                 continue
-            target, rows = self._checkpoint_target(name)
-            param = params.get(target)
+            slot = self.weight_slot(name)
+            param = params.get(slot.param)
             if param is None:
                 unexpected.append(name)
                 continue
-            dst = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
+            dst = param.data if slot.index is None else param.data[slot.index]
+            if slot.rows is not None:
+                dst = dst.narrow(0, slot.rows[0], slot.rows[1])
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
             dst.copy_(tensor)
-            seen.add(name)
+            seen |= self.names_loaded_by(name)
         if unexpected:
             logger.warning(
                 "ignored %d unexpected weights, e.g. %s", len(unexpected), unexpected[:5]

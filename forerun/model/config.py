@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 # Rope types whose inverse frequencies we know how to compute (see rotary.py).
@@ -73,6 +75,34 @@ def _check_freq_factors(scaling: dict[str, Any] | None, head_dim: int) -> None:
         raise ModelLoadError("rope freq_factors must be positive and finite")
 
 
+def _moe_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Hugging Face config (none for a dense
+    architecture). Mixtral's experts are ``intermediate_size`` wide and its router weights
+    always renormalised over the chosen experts."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    top_k = int(d.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelLoadError(
+            f"{arch} needs 1 <= num_experts_per_tok <= num_experts; got {top_k} of {experts}")
+    window = d.get("sliding_window")
+    if arch == "MixtralForCausalLM" and window is not None and int(window) < int(
+            d.get("max_position_embeddings") or 2048):
+        raise ModelLoadError(f"{arch} with sliding_window={window} is not supported")
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": int(d["intermediate_size"]), "norm_topk_prob": True}
+    step = int(d.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ModelLoadError(f"{arch} needs decoder_sparse_step >= 1; got {step}")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(d["moe_intermediate_size"]),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "decoder_sparse_step": step,
+            "mlp_only_layers": _as_id_list(d.get("mlp_only_layers"))}
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """The hyper-parameters forerun needs to build and run a model, independent of file format."""
@@ -95,6 +125,22 @@ class ModelConfig:
     # HF ``rope_scaling``; from a GGUF it may also carry ``freq_factors`` (rotary.py).
     rope_scaling: dict[str, Any] | None = None
     torch_dtype: str | None = None
+    # Mixture of experts (0 experts: a dense model): each sparse layer's MLP is
+    # num_experts gated-SiLU experts of width moe_intermediate_size, num_experts_per_tok of
+    # them per token, their router weights renormalised over the chosen ones when
+    # norm_topk_prob. Qwen3-MoE's mlp_only_layers and decoder_sparse_step say which layers
+    # are sparse (is_moe_layer); Mixtral's are all.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True if decoder layer ``layer``'s MLP is a mixture of experts."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_dict(
@@ -126,6 +172,7 @@ class ModelConfig:
         _check_freq_factors(scaling, head_dim)
         # Qwen2 always has q/k/v biases; its config does not say so.
         attention_bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias"))
+        moe = _moe_settings(arch, d)
         eos = _as_id_list((generation_config or {}).get("eos_token_id"))
         if not eos:
             eos = _as_id_list(d.get("eos_token_id"))
@@ -147,4 +194,5 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             rope_scaling=scaling,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            **moe,
         )

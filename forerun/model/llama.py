@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -57,12 +59,13 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: attention and gated MLP, each with a residual."""
 
-    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, o_proj_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -87,7 +90,8 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Embedding, the decoder layers and the final norm (``model.*`` in checkpoints)."""
 
-    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool,
+                 make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         # An explicit (empty) weight skips nn.Embedding's random init: on the meta device
         # that init imports torch._dynamo, 2-3 s of every process's model load.
@@ -95,7 +99,8 @@ class DecoderStack(nn.Module):
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, o_proj_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, o_proj_bias, qk_norm, make_mlp(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -111,7 +116,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         o_bias = config.attention_bias and self.o_proj_follows_attention_bias
-        self.model = DecoderStack(config, o_bias, self.qk_norm)
+        self.model = DecoderStack(config, o_bias, self.qk_norm, self.make_mlp)
         # With tied embeddings there is no separate lm_head parameter at all, so nothing can
         # untie them (e.g. materialising from the meta device) and checkpoints need not have it.
         self.lm_head = (
@@ -132,6 +137,10 @@ class LlamaForCausalLM(CausalLM):
         # Steps of a few tokens run every layer in one C call (see small_batch.py).
         self.small_batch = SmallBatchStack(self)
         self.requires_grad_(False)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """Decoder layer ``layer``'s MLP: the dense gated SiLU MLP (the MoE models override)."""
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size)
 
     def packed_shards(self) -> dict[str, Shard]:
         c = self.config

@@ -117,6 +117,14 @@ def load_model(
     layers (:mod:`forerun.distributed.pipeline_parallel`)."""
     quantization = validate_quantization(quantization)
     cls = get_model_class(config.architecture)
+    if config.num_experts:
+        # What the mixture-of-experts layer does not take yet: refused before any load.
+        if quantization is not None:
+            raise ValueError(f"{config.architecture}: quantization={quantization!r} does "
+                             "not run mixture-of-experts models yet; load it unquantized")
+        if tensor_parallel is not None and tensor_parallel.size > 1:
+            raise ValueError(f"{config.architecture}: tensor_parallel_size > 1 does not run "
+                             "mixture-of-experts models yet")
     # Build on the meta device so no time is spent on random init that weights overwrite.
     with torch.device("meta"):
         model = cls(config)

@@ -6,6 +6,7 @@ from forerun.model.base import CausalLM
 from forerun.model.config import SUPPORTED_ARCHITECTURES
 from forerun.model.errors import ModelLoadError
 from forerun.model.llama import LlamaForCausalLM
+from forerun.model.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
 from forerun.model.qwen2 import Qwen2ForCausalLM
 from forerun.model.qwen3 import Qwen3ForCausalLM
 
@@ -13,6 +14,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

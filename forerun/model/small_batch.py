@@ -32,6 +32,7 @@ import torch
 from forerun import envs
 from forerun.model import cpu_kernels, huge_pages
 from forerun.model.attention import AttentionMetadata, KVCache
+from forerun.model.layers import GatedMLP
 from forerun.model.quant.gguf_linear import GGUFLinear
 
 if TYPE_CHECKING:
@@ -102,7 +103,10 @@ class SmallBatchStack:
 
     def _mode(self) -> bool | None:
         """True: every layer linear is a GGUFLinear; False: every one is a plain
-        ``nn.Linear``; None: a mix or another kind (int8), which the stack cannot run."""
+        ``nn.Linear``; None: a mix or another kind (int8), or a mixture of experts, which
+        the stack cannot run."""
+        if not all(isinstance(layer.mlp, GatedMLP) for layer in self.model.model.layers):
+            return None
         kinds = {True if isinstance(m, GGUFLinear) else False
                  if isinstance(m, torch.nn.Linear) else None
                  for _, m in self._layer_linears()}

@@ -1,0 +1,91 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks ``top_k`` of ``num_experts``
+gated-SiLU experts per token, and the layer's output is their weighted sum.
+
+All tokens of a step are routed at once; their (token, expert) pairs are then grouped by
+expert, so each expert that received tokens runs its gate/up and down projections as one
+matmul over its rows (a GEMV at decode, a GEMM at prefill), and the weighted rows are added
+back to their tokens in one scatter-add. Experts that received no tokens cost nothing, so a
+decode step reads only the chosen experts' weights. The experts are stored stacked:
+``w13`` ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows) and ``w2`` ``[E, H, I]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forerun.model import cpu_kernels
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32 [T, top_k], expert ids int64 [T, top_k])``: the softmax over all
+    experts in float32, its ``top_k`` largest, renormalised to sum to 1 when asked
+    (Mixtral always; Qwen3-MoE with ``norm_topk_prob``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if cpu_kernels.supports(gate_up.dtype, gate_up.device) and gate_up.is_contiguous():
+        return cpu_kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token row ``t``
+    of ``x`` ``[T, H]``, where ``expert_e(v) = w2[e] @ (silu(g) * u)`` and ``(g, u) = w13[e] @ v``.
+
+    Each expert's contribution is weighted in float32 and added in the model's dtype, in
+    increasing expert order per token (as transformers' reference adds them)."""
+    t, h = x.shape
+    if t == 0:
+        return x.new_zeros(0, h)
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    # Stable: a token's pairs stay in expert order, and within an expert in token order.
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token_of = order // k
+    rows = x.index_select(0, token_of)
+    outs: list[torch.Tensor] = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        seg = rows[start:start + n]
+        outs.append(F.linear(_silu_and_mul(F.linear(seg, w13[e])), w2[e]))
+        start += n
+    expert_out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    weighted = (expert_out.float() * topk_weights.reshape(-1)[order, None]).to(x.dtype)
+    out = torch.zeros(t, h, dtype=x.dtype, device=x.device)
+    out.index_add_(0, token_of, weighted)
+    return out
+
+
+class FusedMoE(nn.Module):
+    """A sparse MLP layer: the router (``gate``, a linear layer to one logit per expert) and
+    the stacked experts ``w13`` / ``w2`` (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
+                 top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                               requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        return fused_experts(x, self.w13, self.w2, weights, ids)

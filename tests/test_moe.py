@@ -1,0 +1,215 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) and the fused MoE layer, against
+transformers on the same tiny random weights and a float64 per-token reference."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+from forerun import LLM, SamplingParams
+from forerun.model import cpu_kernels
+from forerun.model.loader import ModelLoadError, load_model, load_model_config, resolve_model
+from forerun.model.moe import fused_experts, select_experts
+from tests.conftest import assert_all_blocks_free
+from tests.paged_driver import PagedDriver
+from tests.tiny_model import write_word_tokenizer
+
+CPU = torch.device("cpu")
+COMMON: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-6,
+    eos_token_id=2, bos_token_id=1)
+VARIANTS: dict[str, Any] = {
+    # Layer 1 dense (mlp_only_layers), the others sparse; 8 experts, top-2, renormalised.
+    "qwen3moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=8,
+                                       num_experts_per_tok=2, moe_intermediate_size=48,
+                                       norm_topk_prob=True, mlp_only_layers=[1]),
+    # Mixtral: 4 experts of intermediate_size, top-2 of the softmax over all.
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+}
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1]
+
+
+# --- the layer ----------------------------------------------------------------------------
+def _reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor) -> torch.Tensor:
+    """Token by token in float64: sum_j weights[t, j] * expert_ids[t, j](x[t])."""
+    x, w13, w2, weights = (v.double() for v in (x, w13, w2, weights))
+    i = w2.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (w13[e] @ x[t]).split(i)
+            out[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+@pytest.mark.parametrize("routing", ["random", "one-expert", "some-idle"])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_fused_experts_match_a_float64_per_token_reference(top_k: int, routing: str) -> None:
+    torch.manual_seed(top_k)
+    e, t, h, i = 8, 13, 32, 24
+    x, w13, w2 = torch.randn(t, h), 0.3 * torch.randn(e, 2 * i, h), 0.3 * torch.randn(e, h, i)
+    logits = torch.randn(t, e)
+    if routing == "one-expert" and top_k == 1:
+        logits[:, 5] += 100.0  # every token on expert 5
+    elif routing == "some-idle":
+        logits[:, [0, 3, 6]] -= 100.0  # experts 0, 3 and 6 get no token (if top_k < 6)
+    weights, ids = select_experts(logits, top_k, renormalize=top_k > 1)
+    if routing == "one-expert" and top_k == 1:
+        assert set(ids.flatten().tolist()) == {5}
+    if routing == "some-idle" and top_k < 6:
+        assert not {0, 3, 6} & set(ids.flatten().tolist())
+    got = fused_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.double(), _reference(x, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_router_weights_are_the_softmaxs_top_k(renormalize: bool) -> None:
+    logits = torch.randn(6, 8, dtype=torch.float64)
+    weights, ids = select_experts(logits.float(), 3, renormalize)
+    probs = torch.softmax(logits, dim=-1)
+    exp_w, exp_ids = torch.topk(probs, 3, dim=-1)
+    if renormalize:
+        exp_w = exp_w / exp_w.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids, exp_ids)
+    torch.testing.assert_close(weights.double(), exp_w, atol=1e-6, rtol=1e-6)
+
+
+def test_a_step_without_tokens_returns_nothing() -> None:
+    out = fused_experts(torch.zeros(0, 4), torch.zeros(2, 6, 4), torch.zeros(2, 4, 3),
+                        torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long))
+    assert out.shape == (0, 4)
+
+
+# --- the models ---------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(transformers' model, forerun's float32 model, folder) for one architecture."""
+    torch.manual_seed(99)
+    hf = AutoModelForCausalLM.from_config(VARIANTS[request.param]())
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name
+                    else 0.15 * torch.randn_like(p))
+    hf.eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    write_word_tokenizer(folder, COMMON["vocab_size"], COMMON["eos_token_id"])
+    source = resolve_model(str(folder))
+    return hf, load_model(source, load_model_config(source), torch.float32, CPU), folder
+
+
+@pytest.fixture(params=["c-kernels", "torch-path"])
+def moe_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The C kernels op by op (a MoE model never takes the one-call stack), and the pure
+    torch path."""
+    if request.param == "torch-path":
+        monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
+    elif cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    return request.param
+
+
+def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_moe, moe_path: str) -> None:
+    hf, ours, _ = tiny_moe
+    with torch.inference_mode():
+        got = PagedDriver(ours).step([("a", PROMPT)])[0]
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        tokens = PagedDriver(ours, seed=7).greedy("a", PROMPT, 16)
+    assert tokens == _hf_greedy(hf, PROMPT, 16)
+    assert not ours.small_batch.available  # the one-call stack has no MoE layer
+
+
+def test_async_and_sync_engines_give_identical_tokens(tiny_moe) -> None:
+    _, _, folder = tiny_moe
+    prompts = [" ".join(f"w{t}z" for t in PROMPT[:n]) for n in (3, 7, 11)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, ignore_eos=True)]
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(str(folder), dtype="float32", max_model_len=128, async_scheduling=mode,
+                  enable_prefix_caching=True, max_num_batched_tokens=8)
+        try:
+            outs[mode] = [o.outputs[0].token_ids for o in
+                          llm.generate(prompts, params, use_tqdm=False)]
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    assert outs["on"] == outs["off"]
+    assert all(len(t) == p.max_tokens for t, p in zip(outs["on"], params, strict=True))
+
+
+def test_stacked_expert_checkpoints_load_the_same(tiny_moe, tmp_path: Path) -> None:
+    """A checkpoint with the experts already stacked (experts.gate_up_proj / down_proj)."""
+    hf, ours, folder = tiny_moe
+    if isinstance(hf.config, MixtralConfig):
+        pytest.skip("the stacked names are Qwen3-MoE's")
+    dst = tmp_path / "stacked"
+    shutil.copytree(folder, dst)
+    (path,) = dst.glob("*.safetensors")
+    tensors = load_file(path)
+    stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in range(COMMON["num_hidden_layers"]):
+        pre = f"model.layers.{layer}.mlp.experts"
+        if f"{pre}.0.gate_proj.weight" not in tensors:
+            continue
+        n = hf.config.num_experts
+        stacked[f"{pre}.gate_up_proj"] = torch.stack([torch.cat(
+            [tensors[f"{pre}.{e}.gate_proj.weight"], tensors[f"{pre}.{e}.up_proj.weight"]])
+            for e in range(n)])
+        stacked[f"{pre}.down_proj"] = torch.stack(
+            [tensors[f"{pre}.{e}.down_proj.weight"] for e in range(n)])
+    save_file(stacked, path, metadata={"format": "pt"})
+    source = resolve_model(str(dst))
+    again = load_model(source, load_model_config(source), torch.float32, CPU)
+    for (name, a), (_, b) in zip(ours.named_parameters(), again.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_missing_expert_is_named(tiny_moe, tmp_path: Path) -> None:
+    hf, _, folder = tiny_moe
+    dst = tmp_path / "broken"
+    shutil.copytree(folder, dst)
+    (path,) = dst.glob("*.safetensors")
+    tensors = load_file(path)
+    name = next(k for k in sorted(tensors) if ".experts.1." in k)
+    del tensors[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+    source = resolve_model(str(dst))
+    with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+        load_model(source, load_model_config(source), torch.float32, CPU)
+
+
+def test_quantization_of_a_moe_model_is_refused_by_name(tiny_moe) -> None:
+    _, _, folder = tiny_moe
+    source = resolve_model(str(folder))
+    with pytest.raises(ValueError, match="quantization='int8'.*mixture-of-experts"):
+        load_model(source, load_model_config(source), torch.float32, CPU, quantization="int8")
+
+
+def test_bad_expert_counts_are_refused(tmp_path: Path) -> None:
+    cfg = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=5,
+                         moe_intermediate_size=16, architectures=["Qwen3MoeForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
+        load_model_config(resolve_model(str(tmp_path)))
