@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -213,3 +214,88 @@ def test_bad_expert_counts_are_refused(tmp_path: Path) -> None:
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
         load_model_config(resolve_model(str(tmp_path)))
+
+
+# --- GGUF files ---------------------------------------------------------------------------
+_GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+               "block_sparse_moe.gate": "ffn_gate_inp"}
+
+
+def _write_moe_gguf(hf: torch.nn.Module, path: Path) -> None:
+    """The layout llama.cpp's converter writes: qwen3moe, or Mixtral as llama with experts
+    (its Q/K rows interleaved for llama.cpp's rotary), each layer's experts stacked."""
+    import gguf
+
+    cfg = hf.config
+    mixtral = isinstance(cfg, MixtralConfig)
+    arch = "llama" if mixtral else "qwen3moe"
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if not mixtral:
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_eos_token_id(2)
+    experts: dict[tuple[str, str], dict[int, Any]] = {}
+    for name, t in hf.state_dict().items():
+        arr = t.detach().float().numpy()
+        parts = name.split(".")
+        if parts[0] == "lm_head":
+            w.add_tensor("output.weight", arr.copy())
+            continue
+        if parts[1] in ("embed_tokens", "norm"):
+            w.add_tensor(("token_embd" if parts[1] == "embed_tokens" else "output_norm")
+                         + ".weight", arr.copy())
+            continue
+        layer, rest = parts[2], ".".join(parts[3:-1])
+        if name.endswith(".experts.gate_up_proj"):  # transformers' own stacked [E, 2I, H]
+            gate, up = np.split(arr, 2, axis=1)
+            experts[(layer, "ffn_gate_exps")] = dict(enumerate(gate))
+            experts[(layer, "ffn_up_exps")] = dict(enumerate(up))
+            continue
+        if name.endswith(".experts.down_proj"):
+            experts[(layer, "ffn_down_exps")] = dict(enumerate(arr))
+            continue
+        if mixtral and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
+            arr = arr.reshape(heads, 2, arr.shape[0] // heads // 2, arr.shape[1]).swapaxes(
+                1, 2).reshape(arr.shape)
+        w.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[rest]}.weight", arr.copy())
+    for (layer, kind), per in experts.items():
+        w.add_tensor(f"blk.{layer}.{kind}.weight",
+                     np.stack([per[e] for e in sorted(per)]).copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.usefixtures("private_model_cache")
+def test_gguf_files_load_the_same_model(tiny_moe, tmp_path: Path) -> None:
+    hf, _, _ = tiny_moe
+    path = tmp_path / "moe.gguf"
+    _write_moe_gguf(hf, path)
+    source = resolve_model(str(path))
+    config = load_model_config(source)
+    assert config.architecture == hf.config.architectures[0]
+    assert (config.num_experts, config.num_experts_per_tok) == (
+        hf.config.num_local_experts, hf.config.num_experts_per_tok)
+    ours = load_model(source, config, torch.float32, CPU)
+    with torch.inference_mode():
+        got = PagedDriver(ours).step([("a", PROMPT)])[0]
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

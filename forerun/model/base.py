@@ -27,11 +27,13 @@ Shard = tuple[str, int, int]
 class WeightSlot:
     """Where one checkpoint tensor goes: the parameter ``param``, in it entry ``index`` of
     the first dimension (an expert of a stacked MoE weight), then ``rows`` (offset, count)
-    of the first remaining dimension (a projection of a fused one); None: the whole."""
+    of dimension ``rows_dim`` of what remains (a projection of a fused one: dimension 1 for
+    every expert's gate or up rows at once); None: the whole."""
 
     param: str
     index: int | None = None
     rows: tuple[int, int] | None = None
+    rows_dim: int = 0
 
 
 class CausalLM(nn.Module):
@@ -125,7 +127,7 @@ class CausalLM(nn.Module):
                 continue
             dst = param.data if slot.index is None else param.data[slot.index]
             if slot.rows is not None:
-                dst = dst.narrow(0, slot.rows[0], slot.rows[1])
+                dst = dst.narrow(slot.rows_dim, slot.rows[0], slot.rows[1])
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"

@@ -20,9 +20,10 @@ from forerun.model.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM where the file has experts
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 _GLOBAL_NAMES: dict[str, str] = {
@@ -43,6 +44,11 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, and every expert's projections stacked [E, out, in].
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -104,7 +110,28 @@ def _architecture(reader: GGUFReader) -> tuple[str, str]:
             f"unsupported GGUF architecture {arch!r}; supported: "
             + ", ".join(f"{k} ({v})" for k, v in GGUF_ARCHITECTURES.items())
         )
+    if arch == "llama" and int(_field(reader, "llama.expert_count", 0) or 0) > 0:
+        hf_arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as llama with experts
     return arch, hf_arch
+
+
+def _moe_config(reader: GGUFReader, arch: str, hf_arch: str) -> dict[str, Any]:
+    """The mixture-of-experts keys of the config (none for a dense file). llama.cpp
+    renormalises the chosen experts' weights for both MoE architectures forerun reads."""
+    if hf_arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    ffn = int(_field(reader, f"{arch}.feed_forward_length"))
+    names = {t.name for t in reader.tensors}
+    layers = int(_field(reader, f"{arch}.block_count"))
+    # A layer without a router is dense (llama.cpp's own files have none; this reads any).
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    return {
+        "mlp_only_layers": dense,
+        "num_experts": int(_field(reader, f"{arch}.expert_count", 0) or 0),
+        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length", ffn)),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+    }
 
 
 def _rope_freq_factors(reader: GGUFReader) -> list[float] | None:
@@ -186,6 +213,7 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "eos_token_id": _stop_token_ids(reader),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "rope_scaling": rope_scaling,
+        **_moe_config(reader, arch, hf_arch),
     }
 
 

@@ -24,7 +24,10 @@ _EXPERT_PROJ: dict[str, tuple[str, int | None]] = {
     "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None),
 }
 _PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+# Every expert at once: transformers' stacked names (gate and up fused), and a GGUF's
+# ffn_{gate,up,down}_exps (forerun/model/gguf_file.py names them so).
 _STACKED = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2"}
+_STACKED_HALVES = {"experts.gate_proj.weight": 0, "experts.up_proj.weight": 1}
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -45,6 +48,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         for key, param in _STACKED.items():
             if name.endswith(f".mlp.{key}"):
                 return WeightSlot(name.removesuffix(key) + param)
+        if name.endswith(".mlp.experts.down_proj.weight"):
+            return WeightSlot(name.removesuffix("experts.down_proj.weight") + "w2")
+        for key, half in _STACKED_HALVES.items():
+            if name.endswith(f".mlp.{key}"):
+                size = self.config.moe_intermediate_size
+                return WeightSlot(name.removesuffix(key) + "w13", rows=(half * size, size),
+                                  rows_dim=1)
         m = _PER_EXPERT.match(name)
         if m is None or m.group(3) not in _EXPERT_PROJ:
             return super().weight_slot(name)
@@ -55,13 +65,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         size = self.config.moe_intermediate_size
         return WeightSlot(target, int(m.group(2)), (half * size, size))
 
-    def _expert_names(self, block: str, param: str) -> set[str]:
-        """The per-expert checkpoint names of stacked parameter ``block.param``."""
-        block = block.replace(".mlp", f".{self.moe_block_name}", 1) if block.endswith(
-            ".mlp") else block
+    def _expert_names(self, block: str, param: str, half: int | None = None) -> set[str]:
+        """The per-expert checkpoint names of stacked parameter ``block.param`` (of w13's
+        gate or up rows alone with ``half`` 0 or 1)."""
+        block = block.removesuffix(".mlp") + f".{self.moe_block_name}"
         mixtral = self.moe_block_name == "block_sparse_moe"
         if param == "w13":
             projs = ("w1", "w3") if mixtral else ("gate_proj", "up_proj")
+            projs = projs if half is None else projs[half:half + 1]
         else:
             projs = ("w2",) if mixtral else ("down_proj",)
         return {f"{block}.experts.{e}.{p}.weight"
@@ -83,7 +94,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         slot = self.weight_slot(name)
         block, _, param = slot.param.rpartition(".")
         if slot.index is None and param in ("w13", "w2") and block.endswith(".mlp"):
-            return self._expert_names(block, param)
+            half = None if slot.rows is None else slot.rows[0] // slot.rows[1]
+            return self._expert_names(block, param, half)
+        if slot.param.endswith(".mlp.gate.weight"):  # the router, as the checkpoints name it
+            return {slot.param.replace(".mlp.", f".{self.moe_block_name}.", 1)}
         return {name}
 
 
