@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as GT
+from gguf.quants import quantize
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
@@ -17,7 +19,9 @@ from forerun import LLM, SamplingParams
 from forerun.model import cpu_kernels
 from forerun.model.loader import ModelLoadError, load_model, load_model_config, resolve_model
 from forerun.model.moe import fused_experts, select_experts
+from forerun.model.quant.gguf_linear import GGUFLinear
 from tests.conftest import assert_all_blocks_free
+from tests.kquant_pack import BLOCK_BYTES, pack_kquant
 from tests.paged_driver import PagedDriver
 from tests.tiny_model import write_word_tokenizer
 
@@ -226,10 +230,27 @@ _GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "block_sparse_moe.gate": "ffn_gate_inp"}
 
 
-def _write_moe_gguf(hf: torch.nn.Module, path: Path) -> None:
+def _blocks(arr: np.ndarray, qtype: GT) -> np.ndarray:
+    """``arr`` [..., k] as ``qtype``'s bytes [..., row bytes] (K-quants: our packer)."""
+    flat = arr.reshape(-1, arr.shape[-1])
+    raw = pack_kquant(flat, qtype) if qtype in BLOCK_BYTES else quantize(flat, qtype)
+    return raw.reshape(*arr.shape[:-1], -1)
+
+
+def _write_moe_gguf(hf: torch.nn.Module, path: Path, types: dict[str, GT] | None = None
+                    ) -> None:
     """The layout llama.cpp's converter writes: qwen3moe, or Mixtral as llama with experts
-    (its Q/K rows interleaved for llama.cpp's rotary), each layer's experts stacked."""
+    (its Q/K rows interleaved for llama.cpp's rotary), each layer's experts stacked; the
+    tensors whose GGUF name ends in a key of ``types`` in that block type, the rest float32."""
     import gguf
+
+    def add(name: str, arr: np.ndarray) -> None:
+        qtype = next((q for k, q in (types or {}).items() if name.endswith(k)), None)
+        if qtype is None:
+            w.add_tensor(name, arr.copy())
+        else:
+            raw = _blocks(arr, qtype)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
 
     cfg = hf.config
     mixtral = isinstance(cfg, MixtralConfig)
@@ -255,11 +276,11 @@ def _write_moe_gguf(hf: torch.nn.Module, path: Path) -> None:
         arr = t.detach().float().numpy()
         parts = name.split(".")
         if parts[0] == "lm_head":
-            w.add_tensor("output.weight", arr.copy())
+            add("output.weight", arr)
             continue
         if parts[1] in ("embed_tokens", "norm"):
-            w.add_tensor(("token_embd" if parts[1] == "embed_tokens" else "output_norm")
-                         + ".weight", arr.copy())
+            add(("token_embd" if parts[1] == "embed_tokens" else "output_norm") + ".weight",
+                arr)
             continue
         layer, rest = parts[2], ".".join(parts[3:-1])
         if name.endswith(".experts.gate_up_proj"):  # transformers' own stacked [E, 2I, H]
@@ -274,10 +295,9 @@ def _write_moe_gguf(hf: torch.nn.Module, path: Path) -> None:
             heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
             arr = arr.reshape(heads, 2, arr.shape[0] // heads // 2, arr.shape[1]).swapaxes(
                 1, 2).reshape(arr.shape)
-        w.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[rest]}.weight", arr.copy())
+        add(f"blk.{layer}.{_GGUF_BLOCK[rest]}.weight", arr)
     for (layer, kind), per in experts.items():
-        w.add_tensor(f"blk.{layer}.{kind}.weight",
-                     np.stack([per[e] for e in sorted(per)]).copy())
+        add(f"blk.{layer}.{kind}.weight", np.stack([per[e] for e in sorted(per)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -299,3 +319,48 @@ def test_gguf_files_load_the_same_model(tiny_moe, tmp_path: Path) -> None:
         got = PagedDriver(ours).step([("a", PROMPT)])[0]
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("private_model_cache")
+def test_gguf_experts_run_in_their_blocks_close_to_the_exact_engine(tmp_path: Path) -> None:
+    """Experts in Q8_0 (gate), Q4_K (up) and Q6_K (down), attention in Q8_0: quantization=
+    "gguf" against the same file dequantized (the same weights, so what differs is the
+    activations' int8 quantization per 32 only)."""
+    torch.manual_seed(5)
+    cfg = Qwen3MoeConfig(**{**COMMON, "hidden_size": 256, "num_attention_heads": 4,
+                            "num_hidden_layers": 2}, head_dim=64, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name
+                    else 0.08 * torch.randn_like(p))
+    path = tmp_path / "q.gguf"
+    _write_moe_gguf(hf, path, {"ffn_gate_exps.weight": GT.Q8_0, "ffn_up_exps.weight": GT.Q4_K,
+                               "ffn_down_exps.weight": GT.Q6_K, "attn_q.weight": GT.Q8_0,
+                               "attn_k.weight": GT.Q8_0, "attn_v.weight": GT.Q8_0,
+                               "attn_output.weight": GT.Q8_0})
+    source = resolve_model(str(path))
+    config = load_model_config(source)
+    exact = load_model(source, config, torch.float32, CPU)
+    quant = load_model(source, config, torch.float32, CPU, quantization="gguf")
+    for layer in quant.model.layers:
+        moe = layer.mlp
+        assert moe.w13 is None and len(moe.quant_experts) == 4
+        gate_up, down = moe.quant_experts[3]
+        assert isinstance(gate_up, GGUFLinear) and isinstance(down, GGUFLinear)
+        assert [t for t, _, _ in gate_up.tiles] == [int(GT.Q8_0), int(GT.Q4_K)]
+        assert [t for t, _, _ in down.tiles] == [int(GT.Q6_K)]
+    with torch.inference_mode():
+        ref = PagedDriver(exact).step([("a", PROMPT)])[0]
+        got = PagedDriver(quant).step([("a", PROMPT)])[0]
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < 0.08, f"max logit error {err:.4f} of the largest logit"
+    # Against a wrong expert (expert 0's and 1's blocks swapped) the same check fails.
+    moe = quant.model.layers[0].mlp
+    pairs = list(moe.quant_experts)
+    moe.quant_experts = torch.nn.ModuleList([pairs[1], pairs[0], *pairs[2:]])
+    with torch.inference_mode():
+        swapped = PagedDriver(quant).step([("a", PROMPT)])[0]
+    wrong = (swapped - ref).abs().max() / ref.abs().max()
+    assert wrong > 3 * err, (float(wrong), float(err))

@@ -258,16 +258,20 @@ def gguf_raw_blocks(reader: GGUFReader, types: set[int]
                     ) -> Iterator[tuple[str, int, torch.Tensor]]:
     """Yield ``(hf_name, ggml type id, uint8 rows [out, row_bytes])`` for every 2-D weight
     stored in one of ``types``: the file's blocks as they are (Q/K rows put back in Hugging
-    Face order, whole rows of blocks moving together), copied out of the memory map."""
+    Face order, whole rows of blocks moving together), copied out of the memory map. A
+    layer's stacked experts (3-D) come as every expert's rows one after another."""
     arch, _ = _architecture(reader)
     heads, kv_heads = _head_counts(reader, arch)
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if name is None or int(t.tensor_type) not in types or len(t.shape) != 2:
+        stacked = len(t.shape) == 3 and name is not None and ".experts." in name
+        if name is None or int(t.tensor_type) not in types or not (
+                len(t.shape) == 2 or stacked):
             continue
         if not name.endswith(".weight"):
             continue
-        raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+        rows = int(t.shape[1]) * (int(t.shape[2]) if stacked else 1)
+        raw = np.asarray(t.data).reshape(rows, -1)
         raw = _unpermute_rows(raw, name, arch, heads, kv_heads)
         yield name, int(t.tensor_type), torch.from_numpy(np.array(raw, dtype=np.uint8,
                                                                   copy=True))

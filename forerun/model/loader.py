@@ -30,6 +30,7 @@ from forerun.model.quant.gguf_linear import (
     SUPPORTED_TYPES,
     apply_gguf_blocks,
 )
+from forerun.model.quant.gguf_moe import apply_gguf_experts
 from forerun.model.quant.int8_linear import apply_int8
 from forerun.model.registry import get_model_class
 from forerun.model.safetensors_weights import (
@@ -84,7 +85,7 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
     reader = open_gguf(path)
     blocks = {name: (qtype, raw.to(device))
               for name, qtype, raw in gguf_raw_blocks(reader, set(SUPPORTED_TYPES))}
-    used = apply_gguf_blocks(model, blocks, dtype)
+    used = apply_gguf_blocks(model, blocks, dtype) | apply_gguf_experts(model, blocks)
     if not any(n.endswith(("_proj.weight", "lm_head.weight")) for n in used):
         raise ModelLoadError(
             f"quantization='gguf': {path.name} has no linear weights in a type run natively "
@@ -119,9 +120,10 @@ def load_model(
     cls = get_model_class(config.architecture)
     if config.num_experts:
         # What the mixture-of-experts layer does not take yet: refused before any load.
-        if quantization is not None:
-            raise ValueError(f"{config.architecture}: quantization={quantization!r} does "
-                             "not run mixture-of-experts models yet; load it unquantized")
+        if quantization == "int8":
+            raise ValueError(f"{config.architecture}: quantization='int8' does not run "
+                             "mixture-of-experts models yet; use a GGUF file with "
+                             "quantization='gguf', or none")
         if tensor_parallel is not None and tensor_parallel.size > 1:
             raise ValueError(f"{config.architecture}: tensor_parallel_size > 1 does not run "
                              "mixture-of-experts models yet")

@@ -11,6 +11,8 @@ decode step reads only the chosen experts' weights. The experts are stored stack
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     Each expert's contribution is weighted in float32 and added in the model's dtype, in
     increasing expert order per token (as transformers' reference adds them)."""
+    return grouped_experts(
+        x, topk_weights, topk_ids, w13.shape[0],
+        lambda e, rows: F.linear(_silu_and_mul(F.linear(rows, w13[e])), w2[e]))
+
+
+def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    num_experts: int, run_expert: Callable[[int, torch.Tensor], torch.Tensor]
+                    ) -> torch.Tensor:
+    """:func:`fused_experts` with each expert's MLP given as ``run_expert(e, rows)`` (its
+    weights in any form: stacked floats, or GGUF blocks)."""
     t, h = x.shape
     if t == 0:
         return x.new_zeros(0, h)
@@ -51,7 +63,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     flat = topk_ids.reshape(-1)
     # Stable: a token's pairs stay in expert order, and within an expert in token order.
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     token_of = order // k
     rows = x.index_select(0, token_of)
     outs: list[torch.Tensor] = []
@@ -59,8 +71,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        seg = rows[start:start + n]
-        outs.append(F.linear(_silu_and_mul(F.linear(seg, w13[e])), w2[e]))
+        outs.append(run_expert(e, rows[start:start + n]))
         start += n
     expert_out = torch.cat(outs) if len(outs) > 1 else outs[0]
     weighted = (expert_out.float() * topk_weights.reshape(-1)[order, None]).to(x.dtype)
@@ -71,7 +82,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 class FusedMoE(nn.Module):
     """A sparse MLP layer: the router (``gate``, a linear layer to one logit per expert) and
-    the stacked experts ``w13`` / ``w2`` (see the module docstring)."""
+    the stacked experts ``w13`` / ``w2`` (see the module docstring); with
+    quantization="gguf", ``quant_experts`` instead: per expert its gate/up and down as
+    linears over the file's blocks (and ``w13`` / ``w2`` None)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, renormalize: bool) -> None:
@@ -85,7 +98,24 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
+        self.quant_experts: nn.ModuleList | None = None
+
+    def use_quantized_experts(self, experts: list[tuple[nn.Module, nn.Module]]) -> None:
+        """Run expert ``e`` as ``experts[e] = (gate_up, down)`` and drop the stacked floats."""
+        if len(experts) != self.num_experts:
+            raise ValueError(f"{len(experts)} experts given, the layer has {self.num_experts}")
+        self.quant_experts = nn.ModuleList(nn.ModuleList(pair) for pair in experts)
+        self.w13 = None
+        self.w2 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return fused_experts(x, self.w13, self.w2, weights, ids)
+        if self.quant_experts is None:
+            return fused_experts(x, self.w13, self.w2, weights, ids)
+        experts = self.quant_experts
+
+        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up, down = experts[e]
+            return down(_silu_and_mul(gate_up(rows)))
+
+        return grouped_experts(x, weights, ids, self.num_experts, run)
