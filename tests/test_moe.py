@@ -113,15 +113,28 @@ def tiny_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return hf, load_model(source, load_model_config(source), torch.float32, CPU), folder
 
 
-@pytest.fixture(params=["c-kernels", "torch-path"])
-def moe_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The C kernels op by op (a MoE model never takes the one-call stack), and the pure
-    torch path."""
+@pytest.fixture(params=["small-batch", "op-by-op", "torch-path"])
+def moe_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Every step as one C call for the whole stack (its MoE block included), the C kernels
+    op by op, and the pure torch path."""
     if request.param == "torch-path":
         monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
-    elif cpu_kernels.kernel_library() is None:
+        yield request.param
+        return
+    if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler: the kernels cannot be built")
-    return request.param
+    if request.param == "op-by-op":
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "0")
+        yield request.param
+        return
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
+    calls: list[torch.dtype] = []
+    for entry in ("decoder_stack", "decoder_stack_quantized"):
+        real = getattr(cpu_kernels, entry)
+        monkeypatch.setattr(cpu_kernels, entry,
+                            lambda dtype, real=real: calls.append(dtype) or real(dtype))
+    yield request.param
+    assert calls, "the small-batch path was never taken"
 
 
 def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -140,7 +153,6 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_moe, moe_path:
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         tokens = PagedDriver(ours, seed=7).greedy("a", PROMPT, 16)
     assert tokens == _hf_greedy(hf, PROMPT, 16)
-    assert not ours.small_batch.available  # the one-call stack has no MoE layer
 
 
 def test_async_and_sync_engines_give_identical_tokens(tiny_moe) -> None:
@@ -322,7 +334,8 @@ def test_gguf_files_load_the_same_model(tiny_moe, tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("private_model_cache")
-def test_gguf_experts_run_in_their_blocks_close_to_the_exact_engine(tmp_path: Path) -> None:
+def test_gguf_experts_run_in_their_blocks_close_to_the_exact_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Experts in Q8_0 (gate), Q4_K (up) and Q6_K (down), attention in Q8_0: quantization=
     "gguf" against the same file dequantized (the same weights, so what differs is the
     activations' int8 quantization per 32 only)."""
@@ -354,6 +367,12 @@ def test_gguf_experts_run_in_their_blocks_close_to_the_exact_engine(tmp_path: Pa
     with torch.inference_mode():
         ref = PagedDriver(exact).step([("a", PROMPT)])[0]
         got = PagedDriver(quant).step([("a", PROMPT)])[0]
+        # The same blocks through the one-call stack (its MoE block) and op by op.
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
+        stacked = PagedDriver(quant).step([("a", PROMPT)])[0]
+        assert quant.small_batch.quantized is True
+        torch.testing.assert_close(stacked, got, atol=1e-4, rtol=1e-4)
+        monkeypatch.delenv("FORERUN_SMALL_BATCH_TOKENS")
     err = (got - ref).abs().max() / ref.abs().max()
     assert err < 0.08, f"max logit error {err:.4f} of the largest logit"
     # Against a wrong expert (expert 0's and 1's blocks swapped) the same check fails.

@@ -33,12 +33,13 @@ from forerun import envs
 from forerun.model import cpu_kernels, huge_pages
 from forerun.model.attention import AttentionMetadata, KVCache
 from forerun.model.layers import GatedMLP
+from forerun.model.moe import FusedMoE
 from forerun.model.quant.gguf_linear import GGUFLinear
 
 if TYPE_CHECKING:
     from forerun.model.llama import LlamaForCausalLM
 
-_NUM_LAYER_PTRS = 12  # the enum at the top of decoder_stack.c
+_NUM_LAYER_PTRS = 14  # the enum at the top of decoder_stack.c
 _MAX_TABLES = 8
 
 
@@ -54,6 +55,8 @@ class _StackArgs(ctypes.Structure):
         ("slot_mapping", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
         ("table_stride", ctypes.c_int64),
         ("token_seq", ctypes.c_void_p), ("token_len", ctypes.c_void_p),
+        ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+        ("moe_intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int64),
     ]
 
 
@@ -82,7 +85,13 @@ class SmallBatchStack:
             hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-            scale=cfg.head_dim ** -0.5)
+            scale=cfg.head_dim ** -0.5, num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
+            renormalize=int(cfg.norm_topk_prob))
+        # MoE layers: per layer the float32 router and the experts' weight addresses, kept
+        # alive while the table holds their addresses.
+        self._moe_tensors: list[torch.Tensor] = []
+        self._moe_entries: dict[int, tuple[int, int]] = {}
         # False once prepacking dropped the plain weights without a packed copy here.
         self.available = True
         # bfloat16 packs column pairs: every inner dimension must be even.
@@ -94,22 +103,30 @@ class SmallBatchStack:
         self._default_tokens: dict[torch.dtype, int] = {}  # max_tokens' default per dtype
 
     def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
+        """Every layer's attention and dense MLP linears (a MoE layer's experts aside)."""
         out = []
         for i, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            out += [(f"{i}.qkv", attn.qkv_proj), (f"{i}.o", attn.o_proj),
-                    (f"{i}.gate_up", mlp.gate_up_proj), (f"{i}.down", mlp.down_proj)]
+            out += [(f"{i}.qkv", attn.qkv_proj), (f"{i}.o", attn.o_proj)]
+            if isinstance(mlp, GatedMLP):
+                out += [(f"{i}.gate_up", mlp.gate_up_proj), (f"{i}.down", mlp.down_proj)]
         return out
 
+    def _moe_layers(self) -> list[tuple[int, FusedMoE]]:
+        return [(i, layer.mlp) for i, layer in enumerate(self.model.model.layers)
+                if isinstance(layer.mlp, FusedMoE)]
+
     def _mode(self) -> bool | None:
-        """True: every layer linear is a GGUFLinear; False: every one is a plain
-        ``nn.Linear``; None: a mix or another kind (int8), or a mixture of experts, which
-        the stack cannot run."""
-        if not all(isinstance(layer.mlp, GatedMLP) for layer in self.model.model.layers):
+        """True: every layer linear (and expert) is in GGUF blocks; False: every one is a
+        plain ``nn.Linear`` (and stacked float experts); None: a mix or another kind
+        (int8), which the stack cannot run."""
+        if not all(isinstance(layer.mlp, GatedMLP | FusedMoE)
+                   for layer in self.model.model.layers):
             return None
         kinds = {True if isinstance(m, GGUFLinear) else False
                  if isinstance(m, torch.nn.Linear) else None
                  for _, m in self._layer_linears()}
+        kinds |= {moe.quant_experts is not None for _, moe in self._moe_layers()}
         if None in kinds or len(kinds) > 1:
             return None
         return kinds == {True}
@@ -148,6 +165,8 @@ class SmallBatchStack:
             return False
         if self.quantized:
             return True
+        if self._moe_layers() and x.dtype != torch.float32:
+            return False  # plain experts in bfloat16 would need packed copies of them all
         return ((self._even or x.dtype == torch.float32)
                 and cpu_kernels.small_matmul_is_fast(x.dtype))
 
@@ -158,6 +177,8 @@ class SmallBatchStack:
             return
         if self.quantized is None:
             self.quantized = self._mode()
+        # Before prepacking reorders the routers for oneDNN (their plain rows are read here).
+        self._moe_entries = {i: self._moe_entry(moe) for i, moe in self._moe_layers()}
         linears: dict[str, cpu_kernels.SmallMatmulWeight] = {}
         if self.quantized is False:
             for key, module in self._layer_linears():
@@ -216,6 +237,7 @@ class SmallBatchStack:
             rows = []
             for i, layer in enumerate(self.model.model.layers):
                 attn = layer.self_attn
+                router, experts = self._moe_entries.get(i, (0, 0))
                 rows.append([
                     _addr(layer.input_layernorm.weight),
                     w[f"{i}.qkv"],
@@ -225,13 +247,28 @@ class SmallBatchStack:
                     w[f"{i}.o"],
                     _addr(attn.o_proj.bias),
                     _addr(layer.post_attention_layernorm.weight),
-                    w[f"{i}.gate_up"],
-                    w[f"{i}.down"],
+                    w.get(f"{i}.gate_up", 0),
+                    w.get(f"{i}.down", 0),
                     0, 0,
+                    router, experts,
                 ])
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
                 -1, _NUM_LAYER_PTRS)
         return self._weights
+
+    def _moe_entry(self, moe: FusedMoE) -> tuple[int, int]:
+        """A MoE layer's table entries: its router as float32 [E, H], and each expert's
+        gate/up and down weight (block descriptors, or plain float32 rows)."""
+        router = moe.gate.weight.detach().float().contiguous()
+        if moe.quant_experts is not None:
+            addrs = [ctypes.addressof(lin.desc) for pair in moe.quant_experts for lin in pair]
+        else:
+            assert moe.w13 is not None and moe.w2 is not None
+            addrs = [a for e in range(moe.num_experts)
+                     for a in (moe.w13[e].data_ptr(), moe.w2[e].data_ptr())]
+        experts = torch.tensor(addrs, dtype=torch.int64)
+        self._moe_tensors += [router, experts]
+        return router.data_ptr(), experts.data_ptr()
 
     def _layer_table(self, kv_caches: list[KVCache]) -> torch.Tensor:
         # Keyed by every address, not by object identity: a freed cache's memory can come

@@ -5,7 +5,8 @@
  * and tensor bookkeeping per op, ten ops a layer. Here the same kernels the op-by-op path
  * uses (RMSNorm, rotary, KV write, paged attention, SiLU-mul) run back to back with the
  * weight-streaming matmul of small_matmul.c, in the order of the Python layer
- * (forerun/model/llama.py), with no return to Python between layers.
+ * (forerun/model/llama.py), with no return to Python between layers. A mixture-of-experts
+ * layer's MLP is moe_block.c's, over the same matmul.
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
 #include <stdint.h>
@@ -26,6 +27,8 @@ enum {
     W_DOWN,
     K_CACHE,
     V_CACHE,
+    W_ROUTER,  /* a mixture-of-experts layer (W_GATE_UP and W_DOWN 0): its router, float32 */
+    W_EXPERTS, /* int64 [2 * num_experts]: each expert's gate/up and down weights */
     NUM_LAYER_PTRS
 };
 
@@ -37,6 +40,7 @@ typedef struct {
     const int64_t *slot_mapping, *block_tables;        /* [t], [seqs, table_stride] */
     int64_t table_stride;
     const int64_t *token_seq, *token_len;              /* [t], [t] */
+    int64_t num_experts, top_k, moe_intermediate, renormalize; /* MoE layers (moe_block.c) */
 } stack_args_t;
 
 int rms_norm_f32(float *, float *, const float *, int64_t, int64_t, float);
@@ -59,16 +63,32 @@ int paged_attention_f32(const float *, int64_t, const float *, const float *, co
 int paged_attention_bf16(const uint16_t *, int64_t, const uint16_t *, const uint16_t *,
                          const int64_t *, int64_t, const int64_t *, const int64_t *, uint16_t *,
                          int64_t, int64_t, int64_t, int64_t, int64_t, float);
+int moe_block_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                  const float *, const int64_t *);
+int moe_block_q_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    const float *, const int64_t *);
+int moe_block_q_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     int64_t, const float *, const int64_t *);
 int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *, void *, int64_t,
                    int64_t, int64_t, int64_t, int64_t);
 
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
 
+/* A plain bfloat16 stack has no MoE body (its experts would need packed copies): such
+ * models do not take the path (small_batch.py), and this is never called. */
+static int moe_block_none(const uint16_t *h, uint16_t *out, int64_t t, int64_t hidden,
+                          int64_t e, int64_t k, int64_t i, int64_t renormalize,
+                          const float *router, const int64_t *experts) {
+    (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i, (void)renormalize;
+    (void)router, (void)experts;
+    return -2;
+}
+
 /* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
  * (small_matmul over plain/packed weights, or gguf_matmul over GGUF blocks of any type,
- * whose weight "addresses" are qweight_t descriptors: quantization="gguf"), NAME the entry
- * point. */
-#define DEFINE_STACK(T, SFX, MM, NAME)                                                          \
+ * whose weight "addresses" are qweight_t descriptors: quantization="gguf"), MOE the
+ * mixture-of-experts MLP over the same weight form, NAME the entry point. */
+#define DEFINE_STACK(T, SFX, MM, MOE, NAME)                                                     \
     int NAME(int64_t num_layers, const int64_t *layer_ptrs,                                     \
                             const T *final_norm, T *x, T *residual, int64_t t,                  \
                             const stack_args_t *a) {                                            \
@@ -108,6 +128,12 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
                 rc = -1;                                                                        \
             if (MM(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs) != 0) rc = -1;                    \
             rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \
+            if (lp[W_ROUTER]) {                                                                 \
+                if (MOE(h, x, t, H, a->num_experts, a->top_k, a->moe_intermediate,              \
+                        a->renormalize, P(lp, W_ROUTER), P(lp, W_EXPERTS)) != 0)                \
+                    rc = -1;                                                                    \
+                continue;                                                                       \
+            }                                                                                   \
             if (MM(h, P(lp, W_GATE_UP), NULL, gate_up, t, 2 * I, H) != 0) rc = -1;              \
             silu_and_mul_##SFX(gate_up, act, t, I);                                             \
             if (MM(act, P(lp, W_DOWN), NULL, x, t, H, I) != 0) rc = -1;                         \
@@ -121,7 +147,7 @@ int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *,
         return rc;                                                                              \
     }
 
-DEFINE_STACK(float, f32, small_matmul_f32, decoder_stack_f32)
-DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, decoder_stack_bf16)
-DEFINE_STACK(float, f32, gguf_matmul_f32, decoder_stack_q_f32)
-DEFINE_STACK(uint16_t, bf16, gguf_matmul_bf16, decoder_stack_q_bf16)
+DEFINE_STACK(float, f32, small_matmul_f32, moe_block_f32, decoder_stack_f32)
+DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, moe_block_none, decoder_stack_bf16)
+DEFINE_STACK(float, f32, gguf_matmul_f32, moe_block_q_f32, decoder_stack_q_f32)
+DEFINE_STACK(uint16_t, bf16, gguf_matmul_bf16, moe_block_q_bf16, decoder_stack_q_bf16)
