@@ -89,7 +89,9 @@ SHARD_BYTES = 2 << 30
 # --- shapes -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
-    """A Llama 3.x architecture; the weights are random, the vocabulary SmolLM2's."""
+    """A Llama 3.x architecture, or with ``experts`` a Qwen3-MoE one (every layer sparse:
+    ``experts`` of width ``moe_mlp``, ``top_k`` per token); the weights are random, the
+    vocabulary SmolLM2's."""
 
     name: str
     label: str
@@ -101,10 +103,14 @@ class Shape:
     tied: bool
     rope_factor: float
     only_types: tuple[str, ...] | None = None  # what fits in memory (None: every type)
+    experts: int = 0
+    top_k: int = 0
+    moe_mlp: int = 0
+    head_dim_override: int = 0  # Qwen3's heads are wider than hidden / heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_override or self.hidden // self.heads
 
     def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every tensor of the HF checkpoint, in order, with its shape."""
@@ -117,10 +123,20 @@ class Shape:
                     (p + "self_attn.k_proj.weight", (self.kv_heads * hd, h)),
                     (p + "self_attn.v_proj.weight", (self.kv_heads * hd, h)),
                     (p + "self_attn.o_proj.weight", (h, self.heads * hd)),
-                    (p + "post_attention_layernorm.weight", (h,)),
-                    (p + "mlp.gate_proj.weight", (i, h)),
-                    (p + "mlp.up_proj.weight", (i, h)),
-                    (p + "mlp.down_proj.weight", (h, i))]
+                    (p + "post_attention_layernorm.weight", (h,))]
+            if not self.experts:
+                out += [(p + "mlp.gate_proj.weight", (i, h)),
+                        (p + "mlp.up_proj.weight", (i, h)),
+                        (p + "mlp.down_proj.weight", (h, i))]
+                continue
+            out += [(p + "self_attn.q_norm.weight", (hd,)),
+                    (p + "self_attn.k_norm.weight", (hd,)),
+                    (p + "mlp.gate.weight", (self.experts, h))]
+            for e in range(self.experts):
+                q = f"{p}mlp.experts.{e}."
+                out += [(q + "gate_proj.weight", (self.moe_mlp, h)),
+                        (q + "up_proj.weight", (self.moe_mlp, h)),
+                        (q + "down_proj.weight", (h, self.moe_mlp))]
         out.append(("model.norm.weight", (h,)))
         if not self.tied:
             out.append(("lm_head.weight", (VOCAB, h)))
@@ -130,16 +146,37 @@ class Shape:
         return sum(math.prod(s) for _, s in self.matrices())
 
     def step_params(self) -> int:
-        """Weights one decode step reads: every layer's linears and the output head."""
+        """Weights one decode step reads: every layer's linears (of a MoE layer its router
+        and ``top_k`` experts) and the output head."""
         linear = sum(math.prod(s) for n, s in self.matrices()
-                     if n.endswith("_proj.weight"))
+                     if n.endswith("_proj.weight") and ".experts." not in n)
+        if self.experts:
+            linear += self.layers * (self.experts * self.hidden
+                                     + self.top_k * 3 * self.hidden * self.moe_mlp)
         return linear + VOCAB * self.hidden
 
     def kv_bytes_per_token(self, elem: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
     def hf_config(self) -> dict[str, Any]:
-        """config.json as Meta's Llama 3.x repositories write it."""
+        """config.json as Meta's Llama 3.x (or Qwen's Qwen3-MoE) repositories write it."""
+        if self.experts:
+            return {
+                "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "hidden_size": self.hidden, "intermediate_size": self.mlp,
+                "moe_intermediate_size": self.moe_mlp, "num_experts": self.experts,
+                "num_experts_per_tok": self.top_k, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0, "rope_scaling": None,
+                "tie_word_embeddings": self.tied, "vocab_size": VOCAB,
+                "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+                "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
+                "sliding_window": None, "output_router_logits": False,
+                "router_aux_loss_coef": 0.001, "initializer_range": 0.02, "use_cache": True,
+            }
         return {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": self.hidden, "intermediate_size": self.mlp,
@@ -166,6 +203,14 @@ SHAPES: dict[str, Shape] = {
     "3b": Shape("3b", "Llama-3.2-3B", 3072, 28, 24, 8, 8192, True, 32.0),
     # 16 GB in bf16: too much for forerun's and vLLM's float paths in 24 GiB.
     "8b": Shape("8b", "Llama-3.1-8B", 4096, 32, 32, 8, 14336, False, 8.0, ("Q4_K_M",)),
+    "tiny-moe": Shape("tiny-moe", "tiny Qwen3-MoE (pipeline test)", 256, 2, 4, 2, 512, False,
+                      1.0, ("Q8_0", "Q4_K_M"), experts=8, top_k=2, moe_mlp=256),
+    # Qwen3-30B-A3B's layer (128 experts of 768, 8 per token, 32 x 128 query heads, 4 KV
+    # heads) with 12 of its 48 layers: 7.7 B parameters, 15 GB of bf16 safetensors and as
+    # much again in the bf16 GGUF on the way to the Q4_K_M file.
+    "30b-a3b": Shape("30b-a3b", "Qwen3-30B-A3B, 12 of 48 layers", 2048, 12, 32, 4, 6144,
+                     False, 1.0, ("Q4_K_M",), experts=128, top_k=8, moe_mlp=768,
+                     head_dim_override=128),
 }
 
 
