@@ -346,11 +346,12 @@ def test_force_include_usage_ends_every_stream_with_usage(env: dict[str, Any]) -
     assert chunks[-1].usage is not None and chunks[-1].choices == []
     assert chunks[-1].usage.prompt_tokens == len(tok.encode(PROMPT))
     assert chunks[-1].usage.completion_tokens == 3
-    assert all(c.usage is None for c in chunks[:-1])
+    # As in vLLM, the flag also puts the running usage on every chunk.
+    assert [c.usage.completion_tokens for c in chunks[:-1]] == [1, 2, 3]
     chunks = list(client.chat.completions.create(model=None, messages=CHAT, max_tokens=2,
                                                  temperature=0, stream=True))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
-    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.usage.completion_tokens for c in chunks[:-1]] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

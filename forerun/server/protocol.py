@@ -254,9 +254,10 @@ class _BaseRequest(TextCheckedRequest):
         return force or self.include_usage
 
     def continuous_usage(self, force: bool = False) -> bool:
-        """Usage on every chunk: vLLM's ``continuous_usage_stats``, with usage on at all."""
-        return self.usage_wanted(force) and bool(
-            self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: vLLM's ``continuous_usage_stats`` with usage on, or
+        ``force`` (--enable-force-include-usage turns both on, as in vLLM)."""
+        return force or (self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats))
 
     @property
     def tokens_as_ids(self) -> bool:
