@@ -112,6 +112,41 @@ def test_message_list_with_instructions_and_text_parts(
     assert _text(raw) == chat.choices[0].message.content
 
 
+def test_include_output_text_logprobs_with_top_logprobs(
+        http: httpx.Client, client: openai.OpenAI) -> None:
+    # vLLM's include=["message.output_text.logprobs"] + top_logprobs. Oracle: the chat
+    # completion of the same message with logprobs (same server, greedy).
+    body = {"input": "Name a colour.", "max_output_tokens": 4, "temperature": 0,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    raw = _create(http, body)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3)
+    want = chat.choices[0].logprobs.content
+    got = raw["output"][0]["content"][0]["logprobs"]
+    assert [e["token"] for e in got] == [e.token for e in want]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g["logprob"] - w.logprob) < 1e-3 and g["bytes"] == w.bytes
+        assert [t["token"] for t in g["top_logprobs"]] == [t.token for t in w.top_logprobs]
+        assert len(g["top_logprobs"]) == 3
+    # Streamed: each text delta carries its tokens' logprobs, adding up to the same list.
+    with http.stream("POST", "/v1/responses", json={"model": MODEL, **body,
+                                                     "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    for e in events:
+        EVENTS.validate_python(e)
+    streamed = [x["token"] for e in events if e["type"] == "response.output_text.delta"
+                for x in e["logprobs"]]
+    assert streamed == [e["token"] for e in got]
+    done = events[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    assert [e["token"] for e in done] == streamed
+    # Without include there are none; another include value is a 400 naming it.
+    plain = {k: v for k, v in body.items() if k not in ("include", "top_logprobs")}
+    assert _create(http, plain)["output"][0]["content"][0]["logprobs"] == []
+    r = http.post("/v1/responses", json={**body, "include": ["file_search_call.results"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"
+
+
 def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
     r = client.responses.create(model=MODEL, input="Write a long story about a dragon.",
                                 max_output_tokens=3, temperature=0)

@@ -146,6 +146,26 @@ def test_invocations_routes_by_body_shape(http: httpx.Client) -> None:
     assert http.post("/invocations", json={"input": "x"}).status_code == 400
 
 
+def test_invocations_answers_with_the_keys_a_client_parses(http: httpx.Client) -> None:
+    # vLLM's test: the openai client's parsed chat completion and /invocations' raw JSON
+    # have the same keys and choices (so every field the client declares is in the JSON).
+    import openai
+
+    transport = httpx.HTTPTransport(uds=SOCK)
+    client = openai.OpenAI(base_url=f"http://forerun{ROOT}/v1", api_key=KEY, max_retries=0,
+                           http_client=httpx.Client(transport=transport))
+    args = {"messages": CHAT, "max_completion_tokens": 4, "temperature": 0.0,
+            "logprobs": False}
+    parsed = client.chat.completions.create(model=NAMES[0], **args).model_dump()
+    raw = http.post("/invocations", json=args).json()
+    assert parsed.keys() == raw.keys()
+    assert parsed["choices"] == raw["choices"]
+    comp = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.0}
+    parsed = client.completions.create(model=NAMES[0], **comp).model_dump()
+    raw = http.post("/invocations", json=comp).json()
+    assert parsed.keys() == raw.keys() and parsed["choices"] == raw["choices"]
+
+
 # ----- options --------------------------------------------------------------------------------
 def test_api_key_guards_v1_under_the_root_path_only(http: httpx.Client) -> None:
     assert http.get("/v1/models").status_code == 401

@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 TOL = 2e-3
 # The second server; test_max_logprobs.py shares it (the whole vocabulary there).
 FORCED_ARGS = ("--enable-force-include-usage", "--no-engine-process", "--max-model-len", "256",
-               "--max-logprobs", "-1")  # float32 on both sides; batches differ, so summation order may too
+               "--max-logprobs", "-1", "--return-tokens-as-token-ids")  # float32 on both sides; batches differ, so summation order may too
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_chat_prompt_logprobs_are_on_the_response(http: httpx.Client,
                                                   env: dict[str, Any]) -> None:
     resp = _post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
                                                 "temperature": 0, "prompt_logprobs": 2})
-    assert "prompt_logprobs" not in resp["choices"][0]
+    assert "prompt_logprobs" not in resp["choices"][0]  # on the response, as in vLLM
     _assert_matches_offline(resp["prompt_logprobs"], env["ref_chat"].prompt_logprobs,
                             env["tok"], 2)
 
@@ -175,19 +175,127 @@ def test_return_token_ids_are_the_tokenizers(client: openai.OpenAI, http: httpx.
     ids = chat["choices"][0]["token_ids"]
     assert tok.decode(ids, skip_special_tokens=True) == chat["choices"][0]["message"]["content"]
 
-    # Streamed: each chunk's new ids, the prompt's once.
+    # Streamed: each chunk's new ids; the prompt's on the first chunk only (vLLM: the role
+    # chunk for chat, each choice's first chunk for completions, null on the others).
     events = _events(http, "/v1/chat/completions", {
         "messages": CHAT, "max_tokens": 5, "temperature": 0, "return_token_ids": True,
         "stream": True})
-    assert [e["prompt_token_ids"] for e in events if "prompt_token_ids" in e] == \
-        [chat["prompt_token_ids"]]
-    assert [t for e in events for t in e["choices"][0]["token_ids"]] == ids
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == ids
     events = _events(http, "/v1/completions", {
         "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "return_token_ids": True,
         "stream": True})
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == choice["token_ids"]
-    assert [e["choices"][0]["prompt_token_ids"] for e in events
-            if "prompt_token_ids" in e["choices"][0]] == [choice["prompt_token_ids"]]
+    assert [e["choices"][0]["prompt_token_ids"] for e in events] == \
+        [choice["prompt_token_ids"]] + [None] * (len(events) - 1)
+
+
+def test_vllm_extras_are_null_unless_asked_for(client: openai.OpenAI) -> None:
+    # Clients read these attributes unconditionally (vLLM's tests do): null, not absent.
+    c = client.completions.create(model=None, prompt=[PROMPT, "Hi"], n=2, max_tokens=2,
+                                  temperature=0)
+    assert len(c.choices) == 4
+    for choice in c.choices:
+        assert choice.prompt_logprobs is None and choice.token_ids is None
+        assert choice.prompt_token_ids is None and choice.stop_reason is None
+    chat = client.chat.completions.create(model=None, messages=CHAT, max_tokens=2)
+    assert chat.prompt_logprobs is None and chat.prompt_token_ids is None
+    assert chat.choices[0].token_ids is None and chat.choices[0].stop_reason is None
+    # A stop string is the choice's stop_reason, as in vLLM.
+    text = client.completions.create(model=None, prompt=PROMPT, max_tokens=8,
+                                     temperature=0).choices[0].text
+    word = text.split()[0]
+    c = client.completions.create(model=None, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  stop=[word])
+    assert c.choices[0].stop_reason == word and c.choices[0].finish_reason == "stop"
+
+
+def test_token_ids_agree_with_prompt_logprobs_and_logprobs(client: openai.OpenAI,
+                                                           env: dict[str, Any]) -> None:
+    # vLLM's consistency test: echo + logprobs + prompt_logprobs + both id extras.
+    tok = env["tok"]
+    c = client.completions.create(model=None, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  echo=True, logprobs=1, extra_body={
+                                      "return_token_ids": True, "prompt_logprobs": 1,
+                                      "return_tokens_as_token_ids": True})
+    choice = c.choices[0]
+    assert choice.prompt_token_ids == tok.encode(PROMPT)
+    ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert ids == choice.prompt_token_ids + choice.token_ids
+    assert tok.decode(ids) == choice.text
+    assert [next(iter(top)) for top in choice.logprobs.top_logprobs[1:]] == \
+        choice.logprobs.tokens[1:]
+    # prompt_logprobs: one entry per prompt position, keyed by id, the prompt's own token
+    # at each; decoded_token stays text (as in vLLM).
+    assert len(choice.prompt_logprobs) == len(choice.prompt_token_ids)
+    assert choice.prompt_logprobs[0] is None
+    for pos, tid in zip(choice.prompt_logprobs[1:], choice.prompt_token_ids[1:], strict=True):
+        assert str(tid) in pos and pos[str(tid)]["decoded_token"] == tok.decode([tid])
+        assert len(pos) <= 2
+    # An echo with logprobs alone shows the prompt's logprobs too, with that count.
+    c = client.completions.create(model=None, prompt=PROMPT, max_tokens=1, echo=True,
+                                  logprobs=2)
+    _assert_matches_offline(c.choices[0].prompt_logprobs, env["ref"].prompt_logprobs,
+                            tok, 2)
+
+
+EMOJI_CHAT = [{"role": "system", "content": "You like to respond in only emojis, like 🎉"},
+              {"role": "user", "content": "Please write some emojis: 🐱🐶🎉"}]
+
+
+def test_tokens_as_ids_and_characters_split_across_tokens(http: httpx.Client,
+                                                          env: dict[str, Any]) -> None:
+    tok = env["tok"]
+    body = {"messages": EMOJI_CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True,
+            "top_logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    resp = _post(http, "/v1/chat/completions", body)
+    (choice,) = resp["choices"]
+    ids, content = choice["token_ids"], choice["message"]["content"]
+    decoded = tok.decode(ids, skip_special_tokens=True)
+    # The case this test is about: the last emoji's bytes are cut by max_tokens.
+    assert decoded.endswith("\ufffd"), decoded
+    # The text holds only whole characters: the incomplete one is held back to the end.
+    assert "\ufffd" not in content and content == decoded.rstrip("\ufffd")
+    entries = choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in ids]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
+    assert all(t["token"].startswith("token_id:") for e in entries for t in e["top_logprobs"])
+    # Streamed, the deltas add up to the same text and never carry a replacement character.
+    events = _events(http, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [e["choices"][0]["delta"].get("content", "") for e in events]
+    assert "".join(deltas) == content and not any("\ufffd" in d for d in deltas)
+    assert [x["token"] for e in events if e["choices"][0]["logprobs"]
+            for x in e["choices"][0]["logprobs"]["content"]] == [e["token"] for e in entries]
+
+
+def test_return_tokens_as_token_ids_server_flag(env: dict[str, Any]) -> None:
+    # --return-tokens-as-token-ids (the second server): the default, a request's false wins.
+    url = f"{env['forced'].base_url}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True}
+    choice = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    choice = httpx.post(url, json={**body, "return_tokens_as_token_ids": False},
+                        timeout=60).json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [env["tok"].decode([t]) for t in choice["token_ids"]]
+
+
+def test_chat_echo_shows_prompt_logprobs_and_logprobs_is_lax(http: httpx.Client,
+                                                            env: dict[str, Any]) -> None:
+    # vLLM: an echo computes the prompt's logprobs with top_logprobs' count; its protocol
+    # reads logprobs as a lax boolean ("true" is true).
+    resp = _post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                "temperature": 0, "echo": True,
+                                                "logprobs": "true", "top_logprobs": 2})
+    _assert_matches_offline(resp["prompt_logprobs"], env["ref_chat"].prompt_logprobs,
+                            env["tok"], 2)
+    (entry,) = resp["choices"][0]["logprobs"]["content"]
+    assert len(entry["top_logprobs"]) == 2
+    resp = _post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                "logprobs": 0})
+    assert resp["choices"][0]["logprobs"] is None
 
 
 def test_tokens_as_token_ids_name_each_token_by_id(http: httpx.Client) -> None:
@@ -218,13 +326,13 @@ def test_continuous_usage_counts_tokens_on_every_chunk(http: httpx.Client,
     n_prompt = len(_chat_ids(tok) if chat else tok.encode(PROMPT))
     events = _events(http, path, body)
     generated = 0
-    for e in events[:-1]:
-        generated += len(e["choices"][0]["token_ids"])
-        if e["usage"] is None:  # a chat role chunk, sent before the engine answers
-            assert chat and e["choices"][0]["delta"].get("role") == "assistant"
-            continue
+    for e in events[:-1]:  # every chunk, the chat role chunk (0 tokens so far) included
+        generated += len(e["choices"][0].get("token_ids", []))
         assert e["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": generated,
-                              "total_tokens": n_prompt + generated}
+                              "total_tokens": n_prompt + generated,
+                              "prompt_tokens_details": None, "completion_tokens_details": None}
+    if chat:
+        assert events[0]["usage"]["completion_tokens"] == 0
     assert events[-1]["choices"] == []
     assert events[-1]["usage"]["completion_tokens"] == generated == 4
 
@@ -238,7 +346,12 @@ def test_force_include_usage_ends_every_stream_with_usage(env: dict[str, Any]) -
     assert chunks[-1].usage is not None and chunks[-1].choices == []
     assert chunks[-1].usage.prompt_tokens == len(tok.encode(PROMPT))
     assert chunks[-1].usage.completion_tokens == 3
-    assert all(c.usage is None for c in chunks[:-1])
+    # As in vLLM, the flag also puts the running usage on every chunk.
+    assert [c.usage.completion_tokens for c in chunks[:-1]] == [1, 2, 3]
+    chunks = list(client.chat.completions.create(model=None, messages=CHAT, max_tokens=2,
+                                                 temperature=0, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert [c.usage.completion_tokens for c in chunks[:-1]] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

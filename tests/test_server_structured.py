@@ -80,3 +80,38 @@ def test_invalid_specs_are_400(client: openai.OpenAI, extra: dict[str, Any], par
         client.completions.create(model=MODEL, prompt="Answer:", max_tokens=4, extra_body=extra)
     assert e.value.status_code == 400
     assert param in e.value.body["message"], e.value.body
+
+
+def test_batched_chat_completions_one_choice_per_conversation(server: ServerHandle,
+                                                              client: openai.OpenAI) -> None:
+    # vLLM's /v1/chat/completions/batch: messages is a list of conversations, structured
+    # output applies to each. Oracle: each conversation sent alone to /v1/chat/completions.
+    import httpx
+
+    convs = [ASK, [{"role": "user", "content": "Describe Paris as JSON."}]]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions/batch", timeout=120, json={
+        "model": MODEL, "messages": convs, "max_tokens": 40, "temperature": 0,
+        "response_format": fmt})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "chat.completion"
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    n_prompt = n_gen = 0
+    for conv, choice in zip(convs, data["choices"], strict=True):
+        alone = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=40,
+                                               temperature=0, response_format=fmt)
+        assert choice["message"]["content"] == alone.choices[0].message.content
+        assert choice["finish_reason"] == alone.choices[0].finish_reason
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+        n_prompt += alone.usage.prompt_tokens
+        n_gen += alone.usage.completion_tokens
+    assert (data["usage"]["prompt_tokens"], data["usage"]["completion_tokens"]) == \
+        (n_prompt, n_gen)
+    # What vLLM refuses there: a stream, n > 1, a conversation that is not a list.
+    for bad, param in (({"stream": True}, "stream"), ({"n": 2}, "n"),
+                       ({"messages": [ASK, "hi"]}, "messages")):
+        r = httpx.post(f"{server.base_url}/v1/chat/completions/batch", timeout=60,
+                       json={"messages": convs, "max_tokens": 2, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

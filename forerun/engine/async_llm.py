@@ -52,9 +52,12 @@ class RequestStream:
     """The outputs of one request, one per engine step that produced tokens for it."""
 
     def __init__(self, engine: AsyncLLM, request_id: str,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
+        # Known before the first output: a server sends it (and its length) at once.
+        self.prompt_token_ids = prompt_token_ids if prompt_token_ids is not None else []
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         # loop.time() after which the request is aborted with RequestTimeoutError.
@@ -230,7 +233,7 @@ class AsyncLLM:
         deadline = None
         if self.request_timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        stream = RequestStream(self, request_id, deadline)
+        stream = RequestStream(self, request_id, deadline, processed.prompt_token_ids)
         jobs = self._parallel.fan_out(request_id, params)
         self._streams[request_id] = stream
         tracked: list[str] = []

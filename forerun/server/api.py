@@ -19,6 +19,7 @@ from forerun.engine.processor import ProcessedPrompt
 from forerun.sampling_params import SamplingParams
 from forerun.server.bodies import ModelCard, ModelList, encode
 from forerun.server.chat import create_chat_completion
+from forerun.server.chat_batch import BatchChatCompletionRequest, create_batch_chat_completion
 from forerun.server.completions import create_completion
 from forerun.server.config import ServerConfig
 from forerun.server.edge import (
@@ -66,6 +67,7 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     ctx = ServingContext(engine, model_name, served_model_names=names,
                          on_request=_request_hook(metrics, server.log_requests),
                          force_include_usage=server.enable_force_include_usage,
+                         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
                          tool_config=ToolCallConfig(server.enable_auto_tool_choice,
                                                     server.tool_call_parser),
                          chat_template=server.chat_template,
@@ -95,11 +97,16 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
         app.add_middleware(RequestIdHeaders)
 
     async def generate(request: Request, raw: bytes | None = None,
-                       chat: bool = False, responses: bool = False) -> Response:
-        """Read, parse and run one completion, chat or Responses request."""
+                       chat: bool = False, responses: bool = False,
+                       batch: bool = False) -> Response:
+        """Read, parse and run one completion, chat, batched chat or Responses request."""
         try:
             if raw is None:
                 raw = await read_body(request, limit)
+            if batch:
+                bbody = await off_loop_if_big(len(raw), parse_body, BatchChatCompletionRequest,
+                                              raw)
+                return await create_batch_chat_completion(ctx, bbody, request, len(raw))
             if responses:
                 rbody = await off_loop_if_big(len(raw), parse_body, ResponsesRequest, raw)
                 return await create_response(ctx, rbody, request, len(raw))
@@ -118,6 +125,11 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
+
+    @app.post("/v1/chat/completions/batch",
+              openapi_extra=_json_body(BatchChatCompletionRequest))
+    async def batch_chat_completions(request: Request) -> Response:
+        return await generate(request, batch=True)
 
     @app.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:
@@ -198,8 +210,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
 
 
 # Generation routes: what --enable-server-load-tracking counts.
-_LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
-                           "/invocations"})
+_LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions",
+                           "/v1/chat/completions/batch", "/v1/responses", "/invocations"})
 
 
 def _invocation_kind(raw: bytes) -> type[BaseModel]:

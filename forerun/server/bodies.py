@@ -11,6 +11,10 @@ class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's breakdowns, which forerun does not report: null, as vLLM's prompt one is,
+    # so the object a client parses holds the same keys as the JSON.
+    prompt_tokens_details: None = None
+    completion_tokens_details: None = None
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -40,15 +44,19 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct):
+    """A completion choice, whole or a stream chunk's; vLLM's extras are null unless asked
+    for (clients read them unconditionally). A stream chunk has no ``prompt_logprobs``
+    (UNSET) and sends ``prompt_token_ids`` in each choice's first chunk only."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    # vLLM's extras, left out of the JSON unless asked for (return_token_ids,
-    # prompt_logprobs); a stream sends prompt_token_ids in each choice's first chunk only.
-    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = UNSET
-    prompt_token_ids: list[int] | msgspec.UnsetType = UNSET
-    token_ids: list[int] | msgspec.UnsetType = UNSET
+    # The stop string or stop token id that ended the choice (null for EOS or length).
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None | msgspec.UnsetType = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Completion(msgspec.Struct):
@@ -60,6 +68,7 @@ class Completion(msgspec.Struct):
     choices: list[CompletionChoice]
     object: str = "text_completion"
     usage: Usage | None | msgspec.UnsetType = UNSET
+    system_fingerprint: None = None
 
 
 class FunctionCall(msgspec.Struct):
@@ -76,7 +85,12 @@ class ToolCall(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | None
-    # Always present, empty without calls, as vLLM sends it.
+    # OpenAI's message fields forerun never fills: null, so a parsed message equals it.
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+    # Always present, empty without calls.
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
@@ -102,7 +116,8 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | msgspec.UnsetType = UNSET  # with return_token_ids
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletion(msgspec.Struct):
@@ -112,9 +127,14 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
-    # vLLM puts these on the response, not the choice (the prompt is shared by all).
-    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = UNSET
-    prompt_token_ids: list[int] | msgspec.UnsetType = UNSET
+    # vLLM puts these on the response, not the choice (the prompt is shared by all); null
+    # unless asked for, as are OpenAI's fields forerun does not produce.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    service_tier: None = None
+    system_fingerprint: None = None
+    metadata: None = None
+    moderation: None = None
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -143,6 +163,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | msgspec.UnsetType = UNSET  # this chunk's, with return_token_ids
+    stop_reason: int | str | None | msgspec.UnsetType = UNSET  # on the finishing chunk
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -88,9 +88,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         message, finish = tool_message(plan, role, c.text, c.finish_reason)
         if echo and plan.mode == "none":
             message.content = echo + (message.content or "")
-        choices.append(ChatChoice(c.index, message, lps, finish_reason=finish))
-        if body.return_token_ids:
-            choices[-1].token_ids = list(c.token_ids)
+        choices.append(ChatChoice(c.index, message, lps, finish_reason=finish,
+                                  stop_reason=c.stop_reason,
+                                  token_ids=list(c.token_ids) if body.return_token_ids
+                                  else None))
     resp = ChatCompletion(
         rid, now_s(), ctx.model_name, choices,
         Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)))
@@ -106,25 +107,30 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
     usage = None if usage_on else UNSET
 
     def chunk(index: int, delta: ChatDelta, finish: str | None,
-              lps: ChatLogprobs | None = None) -> bytes:
-        ids, prompt_ids = extras.token_ids(index, out_now)
+              lps: ChatLogprobs | None = None, stop_reason: object = UNSET,
+              first: bool = False) -> bytes:
+        choice = ChatChunkChoice(index, delta, lps, finish_reason=finish,
+                                 token_ids=extras.token_ids(index, out_now))
+        if finish is not None:
+            choice.stop_reason = stop_reason  # type: ignore[assignment]
         return sse(ChatCompletionChunk(
-            rid, created, ctx.model_name,
-            [ChatChunkChoice(index, delta, lps, finish_reason=finish, token_ids=ids)],
-            # Role chunks go out before the prompt's length is known: usage null there.
-            usage=Usage.of(n_prompt, n_gen[index]) if continuous and out_now else usage,
-            prompt_token_ids=prompt_ids))
+            rid, created, ctx.model_name, [choice],
+            # vLLM's continuous usage: the prompt's length is known from the start.
+            usage=Usage.of(n_prompt, n_gen[index]) if continuous else usage,
+            # The prompt's ids on each choice's first (role) chunk only.
+            prompt_token_ids=extras.prompt_ids(stream.prompt_token_ids) if first
+            else UNSET))
 
     n = body.n
     sent, n_gen, done = [0] * n, [0] * n, [False] * n
-    n_prompt = 0
+    n_prompt = len(stream.prompt_token_ids)
     out_now: RequestOutput | None = None  # the output being streamed, for chunk()
     extras = StreamTokenIds(body.return_token_ids, n)
     tools = [ChoiceToolStream(plan) for _ in range(n)] if plan.mode != "none" else None
     role, echo = response_role(body), echo_text(body)
     try:
         for i in range(n):
-            yield chunk(i, ChatDelta(role=role, content=""), None)
+            yield chunk(i, ChatDelta(role=role, content=""), None, first=True)
             if echo and tools is None:
                 yield chunk(i, ChatDelta(content=echo), None)
         async for out in stream:
@@ -142,12 +148,13 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
                 n_gen[i] = len(c.token_ids)
                 done[i] = c.finish_reason is not None
                 if tools is None:
-                    yield chunk(i, ChatDelta(content=text), c.finish_reason, lps)
+                    yield chunk(i, ChatDelta(content=text), c.finish_reason, lps,
+                                c.stop_reason)
                     continue
                 delta = tools[i].delta(c.text, c.finish_reason is not None)
                 finish = tools[i].finish_reason(c.finish_reason)
                 if delta is not None or finish is not None or lps is not None:
-                    yield chunk(i, delta or ChatDelta(), finish, lps)
+                    yield chunk(i, delta or ChatDelta(), finish, lps, c.stop_reason)
         if usage_on:
             yield sse(ChatCompletionChunk(rid, created, ctx.model_name, [],
                                           usage=Usage.of(n_prompt, sum(n_gen))))

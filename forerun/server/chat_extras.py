@@ -13,39 +13,33 @@ from forerun.server.protocol import ChatCompletionRequest
 def add_prompt_extras(resp: ChatCompletion, body: ChatCompletionRequest,
                       out: RequestOutput) -> None:
     """``prompt_logprobs`` and ``prompt_token_ids`` on the response, where vLLM puts them."""
-    if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
-        resp.prompt_logprobs = prompt_logprobs_json(
-            out.prompt_token_ids, out.prompt_logprobs, body.prompt_logprobs,
-            body.tokens_as_ids)
+    k = body.engine_prompt_logprobs()  # asked for, or an echo's (vLLM shows both)
+    if k is not None and out.prompt_logprobs is not None:
+        resp.prompt_logprobs = prompt_logprobs_json(out.prompt_token_ids,
+                                                    out.prompt_logprobs, k)
     if body.return_token_ids:
         resp.prompt_token_ids = list(out.prompt_token_ids)
 
 
 class StreamTokenIds:
-    """``return_token_ids`` in a chat stream: each chunk's new ids, and the prompt's once.
-
-    vLLM sends ``prompt_token_ids`` in one chunk only; here it is the first chunk that
-    carries generated tokens (the role chunks go out before the engine has answered).
-    """
+    """``return_token_ids`` in a chat stream: each chunk's new ids, and the prompt's on
+    the role chunks (the first chunk of each choice, as vLLM sends them)."""
 
     def __init__(self, enabled: bool | None, n: int) -> None:
         self.enabled = bool(enabled)
         self.sent = [0] * n
-        self.prompt_sent = False
+
+    def prompt_ids(self, prompt_token_ids: list[int]) -> list[int] | msgspec.UnsetType:
+        return list(prompt_token_ids) if self.enabled else UNSET
 
     def token_ids(self, index: int, out: RequestOutput | None
-                  ) -> tuple[list[int] | msgspec.UnsetType, list[int] | msgspec.UnsetType]:
-        """(this chunk's token ids for choice ``index``, the prompt's ids or UNSET)."""
-        if not self.enabled:
-            return UNSET, UNSET
-        if out is None:
-            return [], UNSET
+                  ) -> list[int] | msgspec.UnsetType:
+        """This chunk's new token ids for choice ``index`` (UNSET unless asked for)."""
+        if not self.enabled or out is None:
+            return UNSET
         ids: list[int] = []
         for c in out.outputs:
             if c.index == index:
                 ids = list(c.token_ids[self.sent[index]:])
                 self.sent[index] = len(c.token_ids)
-        prompt: list[int] | msgspec.UnsetType = UNSET
-        if not self.prompt_sent:
-            prompt, self.prompt_sent = list(out.prompt_token_ids), True
-        return ids, prompt
+        return ids

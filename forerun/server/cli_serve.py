@@ -92,6 +92,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with a usage chunk, as if the request had set "
                         "stream_options.include_usage")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="show logprobs' tokens as 'token_id:<id>' unless a request sets "
+                        "return_tokens_as_token_ids itself")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json")
     add_engine_args(p)
@@ -110,6 +113,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         disable_fastapi_docs=args.disable_fastapi_docs,
         enable_force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         served_model_names=tuple(args.served_model_name or ()),
         root_path=args.root_path,
         uds=args.uds,

@@ -19,6 +19,7 @@ from forerun.server.bodies import (
     CompletionLogprobs,
     ErrorBody,
     ErrorInfo,
+    PromptLogprobs,
     Usage,
     encode,
     sse,
@@ -71,19 +72,14 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
     choices, n_prompt, n_gen = [], 0, 0
-    as_ids = body.tokens_as_ids
     for i, out in enumerate(outs):
-        prompt_lps = None
-        if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            prompt_lps = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
-                                              body.prompt_logprobs, as_ids)
+        prompt_lps = _prompt_logprobs(body, out)
         for c in out.outputs:
+            # Choices of prompt i are i * n + index, as in OpenAI and vLLM.
             choice = _choice(ctx, body, i * body.n + c.index, out, c.text, c.token_ids,
                              c.logprobs, 0, True)
-            choice.finish_reason = c.finish_reason
-            if prompt_lps is not None:
-                choice.prompt_logprobs = prompt_lps
-            # Choices of prompt i are i * n + index, as in OpenAI and vLLM.
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+            choice.prompt_logprobs = prompt_lps
             choices.append(choice)
             n_gen += len(c.token_ids)
         n_prompt += len(out.prompt_token_ids)
@@ -117,6 +113,17 @@ def _choice(ctx: ServingContext, body: CompletionRequest, index: int, out: Reque
     return choice
 
 
+def _prompt_logprobs(body: CompletionRequest, out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of a choice: whenever the prompt's were computed (asked
+    for, or for an echo with ``logprobs``), with the count asked for; else null."""
+    if out.prompt_logprobs is None:
+        return None
+    k = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs
+    if k is None:
+        return None
+    return prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs, k)
+
+
 def _echo_logprobs(ctx: ServingContext, body: CompletionRequest,
                    out: RequestOutput) -> CompletionLogprobs:
     ids = out.prompt_token_ids
@@ -147,7 +154,8 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, rid: str,
                 choice = _choice(ctx, body, j, out, c.text[sent[j]:], c.token_ids[k:],
                                  c.logprobs[k:] if c.logprobs is not None else None,
                                  offset[j], first)
-                choice.finish_reason = c.finish_reason
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                choice.prompt_logprobs = UNSET  # not streamed (vLLM's chunks lack it)
                 # The next token's offset: past everything this choice has shown so far.
                 offset[j] += len(choice.text)
                 sent[j], n_gen[j] = len(c.text), len(c.token_ids)

@@ -32,6 +32,9 @@ class ServerConfig:
     # vLLM's --enable-force-include-usage: streams end with a usage chunk even when the
     # request did not ask for one with stream_options.include_usage.
     enable_force_include_usage: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens as ``token_id:<id>`` for
+    # requests that do not set return_tokens_as_token_ids themselves.
+    return_tokens_as_token_ids: bool = False
     # Every name clients may send as ``model``; the first is the one responses report.
     served_model_names: tuple[str, ...] = ()
     # The path prefix a reverse proxy strips before forwarding (FastAPI's root_path).

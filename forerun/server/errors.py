@@ -105,6 +105,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                 members.append(where[1])
         if len(members) > 1:
             msg = f"must be one of {', '.join(members)}"
+    kind = str(first.get("type", ""))
+    if kind and kind != "value_error" and not msg.startswith("must be one of"):
+        # pydantic's error type, as vLLM's message carries it: clients match on it.
+        msg = f"{msg} [type={kind}]"
     if param and not msg.startswith(param):
         msg = f"{param}: {msg}"
     # Not bad_request: its guess from the message would make "Input" the param.

@@ -92,12 +92,13 @@ def join_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLog
 
 
 def prompt_logprobs_json(prompt_ids: list[int],
-                         prompt_logprobs: list[PositionLogprobs | None], k: int,
-                         as_ids: bool = False) -> PromptLogprobs:
+                         prompt_logprobs: list[PositionLogprobs | None], k: int
+                         ) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: per position the prompt's token and the top k by rank.
 
     The engine may have computed more than k (echo with a larger ``logprobs``): only what
-    this request asked for is shown.
+    this request asked for is shown. Keys are token ids, so ``decoded_token`` stays the
+    token's text even with ``return_tokens_as_token_ids`` (as in vLLM).
     """
     out: PromptLogprobs = []
     for tid, pos in zip(prompt_ids, prompt_logprobs, strict=False):
@@ -105,9 +106,7 @@ def prompt_logprobs_json(prompt_ids: list[int],
             out.append(None)
             continue
         out.append({
-            str(t): PromptLogprob(_finite(lp.logprob), lp.rank,
-                                  token_str(t, lp.decoded_token, as_ids)
-                                  if as_ids else lp.decoded_token)
+            str(t): PromptLogprob(_finite(lp.logprob), lp.rank, lp.decoded_token)
             for t, lp in pos.items()
             if t == tid or (lp.rank is not None and (k < 0 or lp.rank <= k))})
     return out

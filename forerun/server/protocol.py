@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from forerun.sampling_params import ALL_LOGPROBS, SamplingParams
+from forerun.sampling_params import ALL_LOGPROBS, INT64_MAX, SamplingParams
 from forerun.server.structured import structured_outputs_of
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,11 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "reasoning_effort": (None,),
 }
+
+
+# vLLM's protocol bounds these in the schema, so an out-of-range value is pydantic's
+# greater_than_equal / less_than_equal error (its type is in the 400's message).
+_INT64_MIN = -(2**63)
 
 
 # Strict: a JSON value of the wrong type is a 400 naming the field, never coerced (true is
@@ -150,7 +155,7 @@ class _BaseRequest(TextCheckedRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -163,7 +168,7 @@ class _BaseRequest(TextCheckedRequest):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's extras: prompt and output token ids in the response; logprobs' tokens shown
-    # as ``token_id:<id>``.
+    # as ``token_id:<id>`` (null: the server's --return-tokens-as-token-ids).
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     # Structured output (forerun/server/structured.py): at most one of these.
@@ -183,7 +188,7 @@ class _BaseRequest(TextCheckedRequest):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     # vLLM's extra: keep only the prompt's last k tokens (-1: as many as the model takes).
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     # vLLM's beam search (forerun/beam_search.py): n is the beam width.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -249,9 +254,10 @@ class _BaseRequest(TextCheckedRequest):
         return force or self.include_usage
 
     def continuous_usage(self, force: bool = False) -> bool:
-        """Usage on every chunk: vLLM's ``continuous_usage_stats``, with usage on at all."""
-        return self.usage_wanted(force) and bool(
-            self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: vLLM's ``continuous_usage_stats`` with usage on, or
+        ``force`` (--enable-force-include-usage turns both on, as in vLLM)."""
+        return force or (self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats))
 
     @property
     def tokens_as_ids(self) -> bool:
@@ -349,7 +355,8 @@ class ChatCompletionRequest(_BaseRequest):
     messages: Any
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
-    logprobs: bool = False
+    # Lax, as vLLM's ``bool | None``: true/false, 1/0 and their strings ("true") all count.
+    logprobs: bool | None = Field(False, strict=False)
     top_logprobs: int | None = None
     # Tool calling (forerun/server/tool_calls.py).
     tools: list[dict[str, Any]] | None = None
@@ -364,6 +371,13 @@ class ChatCompletionRequest(_BaseRequest):
     _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _CHAT_UNSUPPORTED
     # Chat's per-token count is top_logprobs; the engine calls it logprobs.
     engine_field_names: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
+    def engine_prompt_logprobs(self) -> int | None:
+        # As vLLM: an echo shows the prompt's logprobs, with the top_logprobs count.
+        own = _logprobs_count("prompt_logprobs", self.prompt_logprobs)
+        if own is None and self.echo:
+            return _logprobs_count("top_logprobs", self.top_logprobs) or 0
+        return own
 
     def num_logprobs(self) -> int | None:
         _logprobs_count("top_logprobs", self.top_logprobs)

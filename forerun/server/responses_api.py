@@ -25,6 +25,7 @@ from forerun.server.bodies import encode
 from forerun.server.chat import chat_prompt_ids
 from forerun.server.edge import off_loop_if_big, unless_disconnected
 from forerun.server.errors import APIError, engine_dead_error, timeout_error
+from forerun.server.logprobs import chat_logprobs
 from forerun.server.responses_protocol import ResponsesChatRequest, ResponsesRequest
 from forerun.server.serving import (
     ServingContext,
@@ -37,6 +38,7 @@ from forerun.server.serving import (
 from forerun.server.tool_calls import ToolPlan, plan_tools, tool_message
 
 logger = logging.getLogger(__name__)
+
 
 class OutputText(msgspec.Struct):
     text: str
@@ -179,14 +181,25 @@ def _item_status(status: str) -> str:
     return "completed" if status == "completed" else "incomplete"
 
 
-def _output_items(plan: ToolPlan, text: str, finish_reason: str | None, status: str
-                  ) -> list[MessageItem | FunctionCallItem]:
+def _text_logprobs(chat: ResponsesChatRequest, token_ids: list[int],
+                   logprobs: list[Any] | None) -> list[Any]:
+    """``output_text.logprobs`` (with ``include``): each token with its top_logprobs, in
+    chat's shape, which is the Responses one (token, logprob, bytes, top_logprobs)."""
+    if not chat.logprobs or logprobs is None:
+        return []
+    content = chat_logprobs(token_ids, logprobs, chat.top_logprobs or 0,
+                            chat.tokens_as_ids).content
+    return list(content or [])
+
+
+def _output_items(plan: ToolPlan, text: str, finish_reason: str | None, status: str,
+                  logprobs: list[Any] | None = None) -> list[MessageItem | FunctionCallItem]:
     """The output items of a finished generation: its text, then any tool calls."""
     message, _ = tool_message(plan, "assistant", text, finish_reason)
     items: list[MessageItem | FunctionCallItem] = []
     if message.content or not message.tool_calls:
-        items.append(MessageItem(_item_id("msg"), [OutputText(message.content or "")],
-                                 status=_item_status(status)))
+        part = OutputText(message.content or "", logprobs=list(logprobs or []))
+        items.append(MessageItem(_item_id("msg"), [part], status=_item_status(status)))
     for call in message.tool_calls:
         items.append(FunctionCallItem(_item_id("fc"), call.id, call.function.name,
                                       call.function.arguments))
@@ -219,7 +232,7 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
         raise _renamed(err, ResponsesChatRequest) from None
     run = _Run(ctx, body, rid, now_s())
     if body.stream:
-        return StreamingResponse(_stream(run, streams[0], plan),
+        return StreamingResponse(_stream(run, chat, streams[0], plan),
                                  media_type="text/event-stream")
     try:
         (out,) = await unless_disconnected(request, final_outputs(streams))
@@ -227,12 +240,14 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
         raise engine_dead_error(exc) from None
     (c,) = out.outputs
     status = _status(c.finish_reason)
-    items = _output_items(plan, c.text, c.finish_reason, status)
+    items = _output_items(plan, c.text, c.finish_reason, status,
+                          _text_logprobs(chat, c.token_ids, c.logprobs))
     return Response(encode(run.response(status, items, out, len(c.token_ids))),
                     media_type="application/json")
 
 
-async def _stream(run: _Run, stream: RequestStream, plan: ToolPlan) -> AsyncIterator[bytes]:
+async def _stream(run: _Run, chat: ResponsesChatRequest, stream: RequestStream,
+                  plan: ToolPlan) -> AsyncIterator[bytes]:
     seq = -1
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -243,7 +258,8 @@ async def _stream(run: _Run, stream: RequestStream, plan: ToolPlan) -> AsyncIter
     live = plan.mode == "none"  # with tools the text is parsed whole, at the end
     msg_id = _item_id("msg")
     sent, text, out, finish = 0, "", None, None
-    n_gen = 0
+    n_gen, lp_sent = 0, 0
+    all_lps: list[Any] = []
     try:
         yield event("response.created", response=run.response("in_progress", []))
         yield event("response.in_progress", response=run.response("in_progress", []))
@@ -256,22 +272,34 @@ async def _stream(run: _Run, stream: RequestStream, plan: ToolPlan) -> AsyncIter
             (c,) = out.outputs
             text, finish, n_gen = c.text, c.finish_reason, len(c.token_ids)
             if live and len(text) > sent:
+                # The logprobs of the tokens since the last delta (text held back for an
+                # incomplete character comes with the token that completes it).
+                lps = _text_logprobs(chat, c.token_ids[lp_sent:],
+                                     None if c.logprobs is None else c.logprobs[lp_sent:])
+                all_lps += lps
+                lp_sent = n_gen
                 yield event("response.output_text.delta", item_id=msg_id, output_index=0,
-                            content_index=0, delta=text[sent:], logprobs=[])
+                            content_index=0, delta=text[sent:], logprobs=lps)
                 sent = len(text)
         status = _status(finish)
+        if live and out is not None:  # tokens after the last delta (an EOS: no text)
+            last = out.outputs[0]
+            all_lps += _text_logprobs(chat, last.token_ids[lp_sent:], None
+                                      if last.logprobs is None else last.logprobs[lp_sent:])
         if live:
-            part = OutputText(text)
+            part = OutputText(text, logprobs=all_lps)
             item: MessageItem | FunctionCallItem = MessageItem(msg_id, [part],
                                                                _item_status(status))
             yield event("response.output_text.done", item_id=msg_id, output_index=0,
-                        content_index=0, text=text, logprobs=[])
+                        content_index=0, text=text, logprobs=all_lps)
             yield event("response.content_part.done", item_id=msg_id, output_index=0,
                         content_index=0, part=part)
             yield event("response.output_item.done", output_index=0, item=item)
             items: list[MessageItem | FunctionCallItem] = [item]
         else:
-            items = _output_items(plan, text, finish, status)
+            items = _output_items(plan, text, finish, status, _text_logprobs(
+                chat, out.outputs[0].token_ids if out else [],
+                out.outputs[0].logprobs if out else None))
             for i, item in enumerate(items):
                 for chunk in _whole_item_events(event, i, item):
                     yield chunk
@@ -295,9 +323,9 @@ def _whole_item_events(event: Any, index: int, item: MessageItem | FunctionCallI
             event("response.content_part.added", item_id=item.id, output_index=index,
                   content_index=0, part=OutputText("")),
             event("response.output_text.delta", item_id=item.id, output_index=index,
-                  content_index=0, delta=part.text, logprobs=[]),
+                  content_index=0, delta=part.text, logprobs=part.logprobs),
             event("response.output_text.done", item_id=item.id, output_index=index,
-                  content_index=0, text=part.text, logprobs=[]),
+                  content_index=0, text=part.text, logprobs=part.logprobs),
             event("response.content_part.done", item_id=item.id, output_index=index,
                   content_index=0, part=part),
             event("response.output_item.done", output_index=index, item=item),

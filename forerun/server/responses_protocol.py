@@ -26,14 +26,13 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "previous_response_id": (None,),
     "conversation": (None,),
     "background": (None, False),
-    "include": (None, []),
     "reasoning": (None, {}),
     "truncation": (None, "disabled"),
     "max_tool_calls": (None,),
     "prompt": (None,),
-    "top_logprobs": (None, 0),
     "service_tier": (None, "auto", "default"),
 }
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _WHY = {"previous_response_id": "responses are not stored by this server (store is not "
                                 "supported), so there is none to continue from"}
 
@@ -65,6 +64,18 @@ class ResponsesRequest(TextCheckedRequest):
     # vLLM's sampling extras, which its Responses endpoint takes as well.
     seed: int | None = None
     top_k: int | None = None
+    # Only "message.output_text.logprobs" (the text's logprobs, with top_logprobs each).
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    def wants_logprobs(self) -> bool:
+        """``include`` checked: True when it asks for the output text's logprobs."""
+        other = [x for x in self.include or () if x != _LOGPROBS_INCLUDE]
+        if other:
+            raise ValueError(f"include: only {_LOGPROBS_INCLUDE!r} is supported, got "
+                             f"{other[0]!r}")
+        return bool(self.include)
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> ResponsesRequest:
@@ -145,7 +156,12 @@ class ResponsesRequest(TextCheckedRequest):
             "top_k": self.top_k, "response_format": self._response_format(),
             "tools": self._chat_tools(), "tool_choice": self._chat_tool_choice(),
             "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
+            "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
         }
+        if self.wants_logprobs():
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs)
+        elif self.top_logprobs:
+            raise ValueError(f"top_logprobs: needs include [{_LOGPROBS_INCLUDE!r}]")
         return ResponsesChatRequest.model_validate(
             {k: v for k, v in fields.items() if v is not None})
 

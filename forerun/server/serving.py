@@ -33,6 +33,8 @@ class ServingContext:
     on_request: Callable[[str, ProcessedPrompt, SamplingParams], None] | None = None
     # --enable-force-include-usage: every stream ends with a usage chunk, asked or not.
     force_include_usage: bool = False
+    # --return-tokens-as-token-ids: the default of requests that leave it null.
+    return_tokens_as_token_ids: bool = False
     # --enable-auto-tool-choice / --tool-call-parser, and --chat-template.
     tool_config: ToolCallConfig = field(default_factory=ToolCallConfig)
     chat_template: str | None = None
@@ -114,6 +116,8 @@ async def start_requests(ctx: ServingContext, body: _BaseRequest, base_id: str,
     The whole request is admitted or refused at once (``n`` x prompts sequences).
     """
     engine = ctx.engine
+    if body.return_tokens_as_token_ids is None:
+        body.return_tokens_as_token_ids = ctx.return_tokens_as_token_ids
     try:
         engine.check_admission(len(prompts) * body.n)
     except ValueError as exc:

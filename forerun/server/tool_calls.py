@@ -231,7 +231,7 @@ def tool_message(plan: ToolPlan, role: str, text: str, engine_reason: str | None
         return ChatMessage(role, text), engine_reason
     info = parser.extract_tool_calls(text)
     calls = info.tool_calls if plan.parallel else info.tool_calls[:1]
-    message = ChatMessage(role, info.content, [
+    message = ChatMessage(role, info.content, tool_calls=[
         ToolCall(random_tool_call_id(), FunctionCall(c.name, c.arguments)) for c in calls])
     return message, plan.finish_reason(engine_reason, info.tools_called)
 
