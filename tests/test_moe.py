@@ -155,24 +155,41 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_moe, moe_path:
     assert tokens == _hf_greedy(hf, PROMPT, 16)
 
 
-def test_async_and_sync_engines_give_identical_tokens(tiny_moe) -> None:
+ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
+    "chunked-prefix": {"enable_prefix_caching": True, "max_num_batched_tokens": 8},
+    "preemption": {"num_gpu_blocks_override": 10, "block_size": 4,
+                   "max_num_batched_tokens": 64},
+    "ngram-spec": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+}
+
+
+@pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
+def test_async_and_sync_engines_give_identical_tokens(tiny_moe, config: str) -> None:
     _, _, folder = tiny_moe
-    prompts = [" ".join(f"w{t}z" for t in PROMPT[:n]) for n in (3, 7, 11)]
+    # Repeats, so that the n-gram proposer finds matches; a shared prefix for the cache.
+    prompts = [" ".join(f"w{t}z" for t in (PROMPT * 2)[:n]) for n in (5, 14, 22)]
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, ignore_eos=True)]
-    outs = {}
+    outs, preempted, proposed = {}, 0, 0
     for mode in ("on", "off"):
         llm = LLM(str(folder), dtype="float32", max_model_len=128, async_scheduling=mode,
-                  enable_prefix_caching=True, max_num_batched_tokens=8)
+                  **ENGINE_CONFIGS[config])
         try:
             outs[mode] = [o.outputs[0].token_ids for o in
                           llm.generate(prompts, params, use_tqdm=False)]
+            preempted += llm.stats().scheduler.num_preemptions
+            proposed += llm.stats().scheduler.spec_num_draft_tokens
             assert_all_blocks_free(llm)
         finally:
             llm.shutdown()
     assert outs["on"] == outs["off"]
     assert all(len(t) == p.max_tokens for t, p in zip(outs["on"], params, strict=True))
+    if config == "preemption":
+        assert preempted > 0, "the tiny pool should force preemption"
+    if config == "ngram-spec":
+        assert proposed > 0, "the prompts' repeats should give the n-gram proposer drafts"
 
 
 def test_stacked_expert_checkpoints_load_the_same(tiny_moe, tmp_path: Path) -> None:
