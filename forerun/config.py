@@ -88,6 +88,10 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(
         1, "split each engine's model over this many processes (torch.distributed)",
         short="-tp")
+    enable_expert_parallel: bool = _opt(
+        False, "mixture-of-experts models with tensor_parallel_size > 1: each rank holds "
+               "whole experts (num_experts / tensor_parallel_size of them) instead of a "
+               "slice of every expert")
     pipeline_parallel_size: int = _opt(
         1, "split each engine's layers into this many stages, one process group of "
            "tensor_parallel_size ranks each (torch.distributed); the batch queue is this deep "

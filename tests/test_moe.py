@@ -400,3 +400,82 @@ def test_gguf_experts_run_in_their_blocks_close_to_the_exact_engine(
         swapped = PagedDriver(quant).step([("a", PROMPT)])[0]
     wrong = (swapped - ref).abs().max() / ref.abs().max()
     assert wrong > 3 * err, (float(wrong), float(err))
+
+
+class _SumOverRanks:
+    """A stand-in tensor-parallel group: all_reduce keeps each rank's partial output, so the
+    test can add them as the collective would."""
+
+    def __init__(self, rank: int, size: int, seen: list[torch.Tensor]) -> None:
+        self.rank, self.size, self.seen = rank, size, seen
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.seen.append(t.clone())
+        return t
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "experts"])
+def test_the_ranks_shares_of_a_moe_layer_sum_to_the_whole(expert_parallel: bool) -> None:
+    import copy
+
+    from forerun.distributed.tensor_parallel import shard_moe
+    from forerun.model.moe import FusedMoE
+
+    torch.manual_seed(2)
+    moe = FusedMoE(32, 24, 8, 3, renormalize=True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    x = torch.randn(9, 32)
+    want = moe(x)
+    seen: list[torch.Tensor] = []
+    for rank in range(2):
+        part = copy.deepcopy(moe)
+        shard_moe(part, _SumOverRanks(rank, 2, seen), expert_parallel)
+        held = part.w13.shape[0] if expert_parallel else part.w13.shape[1]
+        assert held == (4 if expert_parallel else 24)  # half the experts, or half the width
+        part(x)
+    torch.testing.assert_close(seen[0] + seen[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_two_ranks_give_the_tokens_of_one_process(tiny_moe) -> None:
+    """TP=2 with expert parallelism (whole experts per rank; the width split is checked
+    above) against the one-process engine: real ranks, real all-reduces."""
+    hf, _, folder = tiny_moe
+    if isinstance(hf.config, MixtralConfig):
+        pytest.skip("one architecture is enough for the ranks' arithmetic (and time)")
+    prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (4, 11)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)]
+    kw: dict[str, Any] = dict(model=str(folder), dtype="float32", max_model_len=128)
+    one = LLM(**kw)
+    try:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    two = LLM(tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert_all_blocks_free(two)
+    finally:
+        two.shutdown()
+    assert got == want
+
+
+def test_expert_parallel_sizes_must_divide_the_experts() -> None:
+    from dataclasses import replace
+
+    from forerun.distributed.tensor_parallel import check_tensor_parallel
+    from forerun.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict({**VARIANTS["qwen3moe"]().to_dict(),
+                                    "architectures": ["Qwen3MoeForCausalLM"]})
+    cfg = replace(cfg, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96,
+                  moe_intermediate_size=50)  # 3 divides the heads, not 8 experts nor 50
+    with pytest.raises(ValueError, match="does not divide the model's num_experts"):
+        check_tensor_parallel(cfg, 3, expert_parallel=True)
+    with pytest.raises(ValueError, match="does not divide the model's moe_intermediate_size"):
+        check_tensor_parallel(cfg, 3)
+    # 2 divides all of them (heads 6 and 6, experts 8, widths 96 and 50).
+    check_tensor_parallel(replace(cfg, num_key_value_heads=6), 2, expert_parallel=True)
+    check_tensor_parallel(replace(cfg, num_key_value_heads=6), 2)

@@ -3,7 +3,8 @@
 Each rank keeps its share of the attention heads and of the MLP's intermediate columns:
 the fused q/k/v and gate/up projections are split by output rows (column parallel, no
 communication), o_proj and down_proj by input columns (row parallel), each followed by one
-all-reduce, so a layer costs two all-reduces. KV heads are split with the query heads, so
+all-reduce, so a layer costs two all-reduces (a mixture-of-experts layer: by each expert's
+width, or by whole experts with expert parallelism; one all-reduce of its output). KV heads are split with the query heads, so
 each rank's KV cache holds only its heads. The embedding and the output head are split
 by vocabulary rows: a rank looks up the ids in its range (zeros elsewhere) and an
 all-reduce sums the rows; for the logits each rank computes its slice and an all-gather
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forerun.distributed.parallel_state import TensorParallelGroup
+from forerun.model.moe import FusedMoE
 
 
 class RowParallel(nn.Module):
@@ -79,14 +81,43 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-def check_tensor_parallel(config, size: int) -> None:
+def check_tensor_parallel(config, size: int, expert_parallel: bool = False) -> None:
     """Refuse sizes the model cannot be split by, naming the flag."""
-    for what, n in (("num_attention_heads", config.num_attention_heads),
-                    ("num_key_value_heads", config.num_key_value_heads),
-                    ("intermediate_size", config.intermediate_size)):
+    checks = [("num_attention_heads", config.num_attention_heads),
+              ("num_key_value_heads", config.num_key_value_heads)]
+    if not all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        checks.append(("intermediate_size", config.intermediate_size))
+    if config.num_experts:
+        checks.append(("num_experts", config.num_experts) if expert_parallel else
+                      ("moe_intermediate_size", config.moe_intermediate_size))
+    for what, n in checks:
         if n % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
                              f"{what} ({n}); choose a divisor of it")
+
+
+def shard_moe(moe: FusedMoE, group: TensorParallelGroup, expert_parallel: bool) -> None:
+    """This rank's share of a mixture-of-experts layer; its output is summed over the ranks
+    (one all-reduce, as a dense MLP's down projection). With ``expert_parallel`` a rank
+    keeps whole experts, ``num_experts / size`` of them, and adds only their rows (every
+    rank routes every token: the activations are replicated); otherwise it keeps a slice of
+    every expert's width, gate/up by rows and down by columns."""
+    size, rank = group.size, group.rank
+    assert moe.w13 is not None and moe.w2 is not None
+    if expert_parallel:
+        per = moe.num_experts // size
+        moe.local_experts = range(rank * per, (rank + 1) * per)
+        keep = slice(rank * per, (rank + 1) * per)
+        w13, w2 = moe.w13[keep], moe.w2[keep]
+    else:
+        full, inter = moe.intermediate_size, moe.intermediate_size // size
+        rows = torch.cat([torch.arange(rank * inter, (rank + 1) * inter),
+                          full + torch.arange(rank * inter, (rank + 1) * inter)])
+        w13, w2 = moe.w13[:, rows], moe.w2[:, :, rank * inter:(rank + 1) * inter]
+        moe.intermediate_size = inter
+    moe.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
+    moe.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+    moe.tp_group = group
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -98,10 +129,12 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
-def shard_model(model: nn.Module, group: TensorParallelGroup) -> None:
-    """Keep this rank's share of every layer (see the module docstring); before prepack."""
+def shard_model(model: nn.Module, group: TensorParallelGroup,
+                expert_parallel: bool = False) -> None:
+    """Keep this rank's share of every layer (see the module docstring and
+    :func:`shard_moe`); before prepack."""
     size, rank = group.size, group.rank
-    check_tensor_parallel(model.config, size)
+    check_tensor_parallel(model.config, size, expert_parallel)
     for layer in model.model.layers:
         attn = layer.self_attn
         d = attn.head_dim
@@ -119,6 +152,9 @@ def shard_model(model: nn.Module, group: TensorParallelGroup) -> None:
         attn.o_proj = RowParallel(o.weight[:, rank * hq * d:(rank + 1) * hq * d], o.bias,
                                   group)
         mlp = layer.mlp
+        if isinstance(mlp, FusedMoE):
+            shard_moe(mlp, group, expert_parallel)
+            continue
         inter = mlp.intermediate_size // size
         gu = mlp.gate_up_proj.weight
         full = mlp.intermediate_size

@@ -109,13 +109,14 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
 def load_model(
     source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     quantization: str | None = None, tensor_parallel: TensorParallelGroup | None = None,
-    pipeline_stage: PipelineStage | None = None,
+    pipeline_stage: PipelineStage | None = None, expert_parallel: bool = False,
 ) -> CausalLM:
     """Build the model for ``config`` on ``device`` in ``dtype`` and load its weights;
     ``quantization`` (None, "gguf" or "int8": :mod:`forerun.model.quant`) picks how the
     linear weights are held; with ``tensor_parallel`` the model keeps this rank's share
     (:mod:`forerun.distributed.tensor_parallel`), with ``pipeline_stage`` only that stage's
-    layers (:mod:`forerun.distributed.pipeline_parallel`)."""
+    layers (:mod:`forerun.distributed.pipeline_parallel`); ``expert_parallel`` splits a
+    mixture of experts' layers by whole experts over the tensor-parallel ranks."""
     quantization = validate_quantization(quantization)
     cls = get_model_class(config.architecture)
     if config.num_experts:
@@ -124,9 +125,6 @@ def load_model(
             raise ValueError(f"{config.architecture}: quantization='int8' does not run "
                              "mixture-of-experts models yet; use a GGUF file with "
                              "quantization='gguf', or none")
-        if tensor_parallel is not None and tensor_parallel.size > 1:
-            raise ValueError(f"{config.architecture}: tensor_parallel_size > 1 does not run "
-                             "mixture-of-experts models yet")
     # Build on the meta device so no time is spent on random init that weights overwrite.
     with torch.device("meta"):
         model = cls(config)
@@ -155,7 +153,7 @@ def load_model(
         if quantization is not None:
             raise ValueError("tensor_parallel_size > 1 runs unquantized weights only; "
                              f"got quantization={quantization!r}")
-        shard_model(model, tensor_parallel)
+        shard_model(model, tensor_parallel, expert_parallel)
     if quantization == "int8":
         logger.info("quantization=int8: %d linear weights quantized per output channel",
                     apply_int8(model))

@@ -12,6 +12,7 @@ decode step reads only the chosen experts' weights. The experts are stored stack
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,11 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
         self.quant_experts: nn.ModuleList | None = None
+        # Tensor parallel (forerun/distributed/tensor_parallel.py): the output is summed over
+        # the group; with expert parallelism this rank holds the experts in local_experts
+        # (w13/w2 index 0 is the first of them) and adds only their rows.
+        self.tp_group: Any = None
+        self.local_experts: range | None = None
 
     def use_quantized_experts(self, experts: list[tuple[nn.Module, nn.Module]]) -> None:
         """Run expert ``e`` as ``experts[e] = (gate_up, down)`` and drop the stacked floats."""
@@ -110,12 +116,24 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        if self.quant_experts is None:
-            return fused_experts(x, self.w13, self.w2, weights, ids)
-        experts = self.quant_experts
+        if self.quant_experts is not None:
+            experts = self.quant_experts
 
-        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate_up, down = experts[e]
-            return down(_silu_and_mul(gate_up(rows)))
+            def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+                gate_up, down = experts[e]
+                return down(_silu_and_mul(gate_up(rows)))
 
-        return grouped_experts(x, weights, ids, self.num_experts, run)
+            return grouped_experts(x, weights, ids, self.num_experts, run)
+        if self.local_experts is None:
+            out = fused_experts(x, self.w13, self.w2, weights, ids)
+        else:
+            local, w13, w2 = self.local_experts, self.w13, self.w2
+
+            def run_local(e: int, rows: torch.Tensor) -> torch.Tensor:
+                if e not in local:  # another rank's expert: its rows come from there
+                    return rows.new_zeros(rows.shape[0], rows.shape[1])
+                i = e - local.start
+                return F.linear(_silu_and_mul(F.linear(rows, w13[i])), w2[i])
+
+            out = grouped_experts(x, weights, ids, self.num_experts, run_local)
+        return out if self.tp_group is None else self.tp_group.all_reduce(out.contiguous())

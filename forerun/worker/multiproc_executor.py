@@ -107,7 +107,8 @@ def _build_runner(config: EngineConfig, info: Any, num_blocks: int, rank: int, a
     if envs.rank_fault() == (rank, "load"):
         raise RuntimeError(f"rank {rank}: injected fault while loading its weights "
                            "(FORERUN_RANK_FAULT)")
-    model = load_model(info.source, mc, dtype, device, config.quantization, tp_group, stage)
+    model = load_model(info.source, mc, dtype, device, config.quantization, tp_group, stage,
+                       expert_parallel=config.enable_expert_parallel)
     report("building the runner")
     pipeline = PipelineComm(pp_group, mc.hidden_size, dtype, device) if pp > 1 else None
     runner = ModelRunner(model, num_blocks, config.block_size, mc.num_key_value_heads // tp,
