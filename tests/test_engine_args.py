@@ -42,7 +42,7 @@ NON_DEFAULTS: dict[str, tuple[list[str], object]] = {
     "master_addr": (["10.1.2.3"], "10.1.2.3"),
     "master_port": (["29555"], 29555),
 }
-BOOLEANS = {"enable_prefix_caching": False, "defer_block_free": True}
+BOOLEANS = {"enable_prefix_caching": False, "defer_block_free": True, "enable_expert_parallel": True}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
