@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -368,3 +369,37 @@ def test_small_batch_path_off_at_load_keeps_no_copy_and_stays_off(
         got = torch.cat([got] + [driver.step([("a", [t])])[0] for t in PROMPT[6:]])
     ref = _hf_logits(hf, PROMPT)
     assert (got - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
+
+
+def _mapped_rss_kib(path: Path) -> int:
+    """This process's resident KiB of every mapping of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 6 and "-" in head[0] and not line.startswith(("Rss", "Pss")):
+                inside = head[-1] == str(path.resolve())
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_loaded_gguf_is_not_resident_twice(tiny, tmp_path: Path) -> None:
+    """The weights are copied out of the file's mapping; its pages then leave this process's
+    RSS (a GGUF would otherwise count twice: the model's copy and the mapped file)."""
+    from forerun.model.gguf_file import open_gguf, release_gguf_pages
+
+    hf, _, _ = tiny
+    if hf.config.model_type != "qwen2":
+        pytest.skip("one architecture is enough")
+    path = tmp_path / "resident.gguf"
+    _write_gguf(hf, path)
+    reader = open_gguf(path)
+    assert sum(int(np.asarray(t.data).view(np.uint8).sum() % 7) for t in reader.tensors) >= 0
+    before = _mapped_rss_kib(path)
+    assert before > 0.5 * path.stat().st_size / 1024  # every page was just read
+    release_gguf_pages(reader)
+    assert _mapped_rss_kib(path) < 0.05 * before
+    source = resolve_model(str(path))
+    load_model(source, load_model_config(source), torch.float32, CPU)  # reads it all again
+    assert _mapped_rss_kib(path) < 0.05 * before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import re
 import threading
 from collections import OrderedDict
@@ -95,6 +96,19 @@ def open_gguf(path: Path) -> GGUFReader:
         while len(_READERS) > _READERS_MAX:
             _READERS.popitem(last=False)
         return reader
+
+
+def release_gguf_pages(reader: GGUFReader) -> None:
+    """Drop the file's pages from this process's resident memory once its weights have
+    been copied out: the mapping stays (the reader still answers), and the pages stay in
+    the page cache, but they no longer count as the process's own. Without it a loaded
+    GGUF shows twice in RSS (the blocks the model holds, and the mapped file)."""
+    mm = getattr(reader.data, "_mmap", None)  # numpy.memmap's mapping
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError) as exc:  # a closed mapping; nothing to drop
+            logger.debug("madvise on %s: %s", reader.data.filename, exc)
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:

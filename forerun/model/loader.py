@@ -21,6 +21,7 @@ from forerun.model.gguf_file import (
     gguf_raw_blocks,
     gguf_weights,
     open_gguf,
+    release_gguf_pages,
 )
 from forerun.model.info import load_model_config
 from forerun.model.packed_linear import prepack_supported
@@ -104,6 +105,7 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
                     path.name)
     weights = gguf_weights(reader, path, skip=frozenset(used))
     model.load_weights(_with_progress(weights, len(reader.tensors) - len(used), source.name))
+    release_gguf_pages(reader)
 
 
 def load_model(
@@ -146,6 +148,8 @@ def load_model(
         if pipeline_stage is not None:
             weights = stage_weights(model, pipeline_stage, weights)
         model.load_weights(_with_progress(weights, total, source.name))
+        if source.is_gguf:
+            release_gguf_pages(open_gguf(source.gguf_path))
         if entry is not None and pipeline_stage is None:  # the cache holds whole models
             entry.save_weights(model)
     model.eval()
