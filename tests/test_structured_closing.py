@@ -105,10 +105,14 @@ def test_the_plan_closes_the_innermost_structure_first(grammar_backend):
 
 
 # ----- the option ----------------------------------------------------------------------
-def test_the_option_is_a_boolean_and_json_only():
+def test_the_option_is_a_boolean_for_json_choice_and_regex():
     assert S(json=TAGS).budget_closing and S(json_object=True).budget_closing
-    assert not S(json=TAGS, disable_budget_closing=True).budget_closing
-    assert not S(regex="a+").budget_closing and not S(choice=["a"]).budget_closing
+    assert S(regex="a+").budget_closing and S(choice=["a"]).budget_closing
+    assert not S(grammar='root ::= "a"').budget_closing
+    for spec in (S(json=TAGS, disable_budget_closing=True),
+                 S(regex="a+", disable_budget_closing=True),
+                 S(choice=["a"], disable_budget_closing=True)):
+        assert not spec.budget_closing
     with pytest.raises(ValueError, match="disable_budget_closing: must be a boolean"):
         S(json=TAGS, disable_budget_closing="yes")
     with pytest.raises(ValueError, match="disable_budget_closing"):
