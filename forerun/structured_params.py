@@ -30,8 +30,10 @@ class StructuredOutputsParams:
     ``disable_budget_closing`` (forerun's, in vLLM's style; default unset = ``False``): a
     ``json`` or ``json_object`` output near the end of ``max_tokens`` is steered to close
     its open strings, arrays and objects so that it ends as complete JSON within
-    ``max_tokens`` (:mod:`forerun.structured.closing`); its ``finish_reason`` is then
-    ``length``. ``True`` turns this off: the output is cut where ``max_tokens`` falls.
+    ``max_tokens`` (:mod:`forerun.structured.closing`), and a ``choice`` or ``regex``
+    output to end as a whole choice or a full match (:mod:`forerun.structured.closing_text`)
+    when the budget allows any; its ``finish_reason`` is then ``length``. ``True`` turns
+    this off: the output is cut where ``max_tokens`` falls.
     """
 
     json: str | dict[str, Any] | None = None
@@ -80,8 +82,10 @@ class StructuredOutputsParams:
 
     @property
     def budget_closing(self) -> bool:
-        """Whether the output is steered to complete its JSON within ``max_tokens``."""
-        return self.kind in ("json", "json_object") and self.disable_budget_closing is not True
+        """Whether the output is steered to end inside its language within ``max_tokens``
+        (JSON, choice and regex constraints; not EBNF grammars)."""
+        return (self.kind in ("json", "json_object", "choice", "regex")
+                and self.disable_budget_closing is not True)
 
     def _is_set(self, name: str) -> bool:
         value = getattr(self, name)

@@ -299,6 +299,31 @@ def test_metrics_count_what_was_sent(http: httpx.Client, client: openai.OpenAI) 
         assert delta(name + "_count") == 4, name
 
 
+def test_iteration_tokens_follow_vllms_per_step_definition(http: httpx.Client,
+                                                          client: openai.OpenAI,
+                                                          tok: Any) -> None:
+    # vLLM's definition (V1 IterationStats, observed once per engine step that has
+    # outputs): the prompt tokens of each request whose first token that step sampled
+    # (its whole prompt, prefix-cache hits included) plus every token the step sampled.
+    # vLLM's own test_metrics_counts shape: identical prompts one after another (so the
+    # later ones hit the prefix cache), a fixed length each (ignore_eos), one step per
+    # token: sum = N * (P + max_tokens), count = N * max_tokens.
+    prompt_ids = tok.encode("Hello my name is Robert and I love magic")
+    n, max_tokens = 3, 10
+    before = _wait_idle(http)
+    for _ in range(n):
+        r = client.completions.create(model=NAMES[0], prompt=prompt_ids, max_tokens=max_tokens,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == max_tokens  # type: ignore[union-attr]
+    after = _wait_idle(http)
+
+    def delta(name: str) -> float:
+        return _value(after, "vllm:" + name) - _value(before, "vllm:" + name)
+
+    assert delta("iteration_tokens_total_sum") == n * (len(prompt_ids) + max_tokens)
+    assert delta("iteration_tokens_total_count") == n * max_tokens
+
+
 def test_metrics_have_vllm_and_forerun_names_alike(http: httpx.Client) -> None:
     samples, types = _scrape(http)
     vllm = {(n.removeprefix("vllm:"), lab): v for (n, lab), v in samples.items()

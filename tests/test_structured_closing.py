@@ -9,6 +9,7 @@ synchronous engine for the asynchronous one; the ``openai`` client against the s
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -105,10 +106,14 @@ def test_the_plan_closes_the_innermost_structure_first(grammar_backend):
 
 
 # ----- the option ----------------------------------------------------------------------
-def test_the_option_is_a_boolean_and_json_only():
+def test_the_option_is_a_boolean_for_json_choice_and_regex():
     assert S(json=TAGS).budget_closing and S(json_object=True).budget_closing
-    assert not S(json=TAGS, disable_budget_closing=True).budget_closing
-    assert not S(regex="a+").budget_closing and not S(choice=["a"]).budget_closing
+    assert S(regex="a+").budget_closing and S(choice=["a"]).budget_closing
+    assert not S(grammar='root ::= "a"').budget_closing
+    for spec in (S(json=TAGS, disable_budget_closing=True),
+                 S(regex="a+", disable_budget_closing=True),
+                 S(choice=["a"], disable_budget_closing=True)):
+        assert not spec.budget_closing
     with pytest.raises(ValueError, match="disable_budget_closing: must be a boolean"):
         S(json=TAGS, disable_budget_closing="yes")
     with pytest.raises(ValueError, match="disable_budget_closing"):
@@ -250,3 +255,94 @@ def test_server_closes_json_within_max_tokens_unless_disabled(
             model=MODEL, messages=ask, max_tokens=4, response_format=rf,
             extra_body={"structured_outputs": {"disable_budget_closing": "no"}})
     assert "disable_budget_closing" in e.value.body["message"], e.value.body
+
+
+# ----- choice and regex: a whole choice, a full match ----------------------------------
+# Long choices; the shortest, "blue whale swimming", takes 3 tokens (checked below).
+CHOICES = ["yellow submarine in the sea", "green grass of the valley", "blue whale swimming"]
+WORD = r"[a-z]{3,20}\."
+COLOUR = [{"role": "user", "content": "My favourite colour is"}]
+LONG_WORD = [{"role": "user", "content": "The longest word I know is"}]
+
+
+def _fewest_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_choice_and_regex_end_inside_their_language_sync_and_async(llm_cache, mode):
+    llm = llm_cache(async_scheduling=mode)
+    shortest = min(_fewest_tokens(llm.get_tokenizer(), c) for c in CHOICES)
+    assert shortest == 3
+    cases = [(COLOUR, S(choice=CHOICES), shortest, lambda t: t in CHOICES),
+             (LONG_WORD, S(regex=WORD), 3, lambda t: re.fullmatch(WORD, t))]
+    for conv, spec, max_tokens, ok in cases:
+        on, off = (llm.chat(conv, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                 structured_outputs=s), use_tqdm=False)[0]
+                   .outputs[0]
+                   for s in (spec, S(**{**spec.to_dict(), "disable_budget_closing": True})))
+        # Without the ending max_tokens cuts the answer mid-word (the bug); with it the
+        # answer is whole, in no more tokens.
+        assert off.finish_reason == "length" and not ok(off.text), off
+        assert ok(on.text) and len(on.token_ids) <= max_tokens, on
+        assert on.finish_reason in ("stop", "length")
+    assert_all_blocks_free(llm)
+
+
+def test_async_choice_and_regex_endings_give_the_tokens_of_sync(llm_cache):
+    outs = []
+    for mode in ("off", "on"):
+        llm = llm_cache(async_scheduling=mode)
+        outs.append([llm.chat(conv, SamplingParams(max_tokens=4, temperature=0.8, seed=5,
+                                                   structured_outputs=spec),
+                              use_tqdm=False)[0].outputs[0].token_ids
+                     for conv, spec in ((COLOUR, S(choice=CHOICES)), (LONG_WORD, S(regex=WORD)))])
+    assert outs[0] == outs[1]
+
+
+def test_a_choice_or_regex_budget_too_small_for_any_answer_is_still_cut(llm_cache):
+    llm = llm_cache(async_scheduling="off")
+    for conv, spec, max_tokens in ((COLOUR, S(choice=CHOICES), 2),
+                                   (LONG_WORD, S(regex=r"[a-z]{15,20}\."), 1)):
+        comp = llm.chat(conv, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                             structured_outputs=spec), use_tqdm=False)[0].outputs[0]
+        assert len(comp.token_ids) == max_tokens and comp.finish_reason == "length", comp
+        assert comp.text not in CHOICES and not re.fullmatch(spec.regex or "x^", comp.text)
+
+
+def test_a_choice_that_fits_is_the_models_own(llm_cache):
+    # Room for the model's own answer: narrowing removes nothing it would have chosen.
+    llm = llm_cache(async_scheduling="off")
+    on, off = (llm.chat(COLOUR, SamplingParams(max_tokens=16, temperature=0, structured_outputs=s),
+                        use_tqdm=False)[0].outputs[0]
+               for s in (S(choice=CHOICES), S(choice=CHOICES, disable_budget_closing=True)))
+    assert on.token_ids == off.token_ids and on.text in CHOICES
+
+
+@pytest.mark.slow
+def test_server_ends_choice_and_regex_inside_their_language(
+        shared_server_client: openai.OpenAI) -> None:
+    client = shared_server_client
+    for extra, max_tokens, ok in (({"guided_choice": CHOICES}, 3, lambda t: t in CHOICES),
+                                  ({"structured_outputs": {"choice": CHOICES}}, 3,
+                                   lambda t: t in CHOICES),
+                                  ({"guided_regex": WORD}, 3, lambda t: re.fullmatch(WORD, t))):
+        ask = COLOUR if "regex" not in str(extra) else LONG_WORD
+        r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=max_tokens,
+                                           temperature=0, extra_body=extra)
+        assert ok(r.choices[0].message.content), (extra, r.choices[0])
+        assert r.usage.completion_tokens <= max_tokens
+        off = dict(extra)
+        if "structured_outputs" in off:
+            off["structured_outputs"] = {**off["structured_outputs"],
+                                         "disable_budget_closing": True}
+        else:
+            off["structured_outputs"] = {"disable_budget_closing": True}
+        r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=max_tokens,
+                                           temperature=0, extra_body=off)
+        assert r.choices[0].finish_reason == "length"
+        assert not ok(r.choices[0].message.content), (off, r.choices[0])
+    # No answer fits in 2 tokens: cut, finish reason length, as before.
+    r = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=2,
+                                  temperature=0, extra_body={"guided_choice": CHOICES})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text not in CHOICES

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forerun.structured.closing import ClosingPlanner
+from forerun.structured.closing_text import TextClosingPlanner
 from forerun.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class XgrammarBackend:
         self._compiler: xgr.GrammarCompiler | None = None
         self._tokenizer_info: xgr.TokenizerInfo | None = None
         self._closing_planner: ClosingPlanner | None = None
+        self._text_closing_planner: TextClosingPlanner | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers,
                                         thread_name_prefix="forerun-grammar")
 
@@ -188,6 +190,14 @@ class XgrammarBackend:
             self._closing_planner = ClosingPlanner(
                 tokenizer, list(self._tokenizer_info.decoded_vocab), self.vocab_size, special)
         return self._closing_planner
+
+    def text_closing_planner(self) -> TextClosingPlanner:
+        """The choice and regex ending's planner (shares the JSON planner's vocabulary)."""
+        if self._text_closing_planner is None:
+            json_planner = self.closing_planner()
+            self._text_closing_planner = TextClosingPlanner(
+                json_planner.token_bytes, json_planner.id_of, set(self._stop_token_ids))
+        return self._text_closing_planner
 
     def compile_async(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         return self._pool.submit(self._compile, params)

@@ -251,10 +251,11 @@ class ClosingPlanner:
         self._tokenizer = tokenizer
         self.token_bytes = token_bytes
         self.vocab_size = vocab_size
-        self._id_of: dict[bytes, int] = {}
+        # Bytes -> the first non-special token spelling them exactly.
+        self.id_of: dict[bytes, int] = {}
         for tid, b in enumerate(token_bytes[:vocab_size]):
             if b and tid not in special_ids:
-                self._id_of.setdefault(b, tid)
+                self.id_of.setdefault(b, tid)
 
     def closing_tokens(self, plan: list[int]) -> torch.Tensor:
         """The packed mask (xgrammar's layout) of every token that starts the plan's text
@@ -264,7 +265,7 @@ class ClosingPlanner:
         text = b"".join(self.token_bytes[t] for t in plan)
         ids = {plan[0]}
         for end in range(1, len(text) + 1):
-            tid = self._id_of.get(text[:end])
+            tid = self.id_of.get(text[:end])
             if tid is not None:
                 ids.add(tid)
         for tid in ids:

@@ -21,6 +21,7 @@ from forerun.structured.closing import (
     is_allowed,
     only_token,
 )
+from forerun.structured.closing_text import TextClosingState
 from forerun.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -60,8 +61,9 @@ class StructuredOutputRequest:
     submitted_at: float
     grammar: StructuredGrammar | None = None
     error: str | None = None
-    # The budget-aware ending's state (JSON constraints unless disable_budget_closing).
-    closing: ClosingState | None = None
+    # The budget-aware ending's state (JSON; choice and regex in TextClosingState; none
+    # for an EBNF grammar or with disable_budget_closing).
+    closing: ClosingState | TextClosingState | None = None
 
 
 @dataclass(slots=True)
@@ -135,8 +137,14 @@ class StructuredOutputManager:
             return self._fail(request, so_req, f"grammar compilation failed: {exc}")
         so_req.grammar = self.backend.new_grammar(future.result())
         so_req.future = None
-        if so_req.params.budget_closing:
-            so_req.closing = ClosingState()
+        params = so_req.params
+        if params.budget_closing:
+            if params.kind == "choice":
+                so_req.closing = TextClosingState([c.encode() for c in params.choice or []])
+            elif params.kind == "regex":
+                so_req.closing = TextClosingState(None)
+            else:
+                so_req.closing = ClosingState()
         self.stats.num_compiled += 1
         self.stats.compile_time_s += time.monotonic() - so_req.submitted_at
         return Readiness.READY
@@ -161,7 +169,11 @@ class StructuredOutputManager:
         if grammar.is_terminated():
             return GrammarEvent.TERMINATED
         closing = so_req.closing
-        if closing is not None:
+        if isinstance(closing, TextClosingState):
+            # No early end: the narrowed masks leave the model its stop token (or
+            # max_tokens its cut) on a whole answer.
+            closing.accept(token_id, self.backend.closing_planner().token_bytes[token_id])
+        elif closing is not None:
             closing.lexer.feed(self.backend.closing_planner().token_bytes[token_id])
             if closing.forced:
                 assert closing.forced[0] == token_id, (request.request_id, token_id)
@@ -196,7 +208,10 @@ class StructuredOutputManager:
         for i, (req_id, grammar) in enumerate(rows):
             grammar.fill_bitmask(bitmask, i)
             request = requests[req_id]
-            if request.structured_output_request.closing is not None:
+            closing = request.structured_output_request.closing
+            if isinstance(closing, TextClosingState):
+                self._end_text_within_budget(request, bitmask[i])
+            elif closing is not None:
                 self._close_within_budget(request, bitmask[i])
         self.stats.num_bitmasks += 1
         return GrammarBitmask([r for r, _ in rows], bitmask)
@@ -238,6 +253,43 @@ class StructuredOutputManager:
             return
         st.forced = deque(plan)
         only_token(row, plan[0])
+
+    def _end_text_within_budget(self, request: Request, row: torch.Tensor) -> None:
+        """Narrow ``row`` so that a choice or regex output ends inside its language within
+        max_tokens (:mod:`forerun.structured.closing_text`).
+
+        ``left`` counts as in :meth:`_close_within_budget` (the same in sync and async
+        mode). The row stays the grammar's own until the completion bound comes within
+        ``CLOSING_MARGIN`` of ``left`` (a choice: within its longest choice), and when no
+        completion fits at all. A complete answer is narrowed too (to its stop token and
+        the continuations that can complete again in time).
+        """
+        so_req: StructuredOutputRequest = request.structured_output_request
+        st = so_req.closing
+        assert isinstance(st, TextClosingState) and so_req.grammar is not None
+        matcher = so_req.grammar.matcher
+        left = request.max_tokens - request.num_output_tokens
+        done = request.num_output_tokens
+        planner = self.backend.text_closing_planner()
+        plan = st.plan
+        near = plan is None or left <= 2 * (len(plan) + CLOSING_MARGIN) + 16
+        if st.active or st.choices is not None or (near and st.planned_at != done) \
+                or done - st.planned_at >= PLAN_STRIDE:
+            plan = st.plan = planner.bound(st, matcher)
+            st.planned_at = done
+        margin = planner.longest(st) if st.choices is not None else CLOSING_MARGIN
+        if plan is None or left > len(plan) + margin or left < len(plan):
+            st.carried = {}
+            return  # room enough, no bound found, or no completion fits: the grammar's row
+        if plan and not is_allowed(row, plan[0]):  # never expected: the bound was spelled on the vocab
+            logger.warning("request %s: completion bound not allowed by its grammar",
+                           request.request_id)
+            st.carried = {}
+            return
+        if not st.active:
+            st.started_at = done
+            self.stats.num_closing += 1
+        planner.narrow(st, matcher, row, plan, left, self.backend.vocab_size)
 
     def shutdown(self) -> None:
         self.backend.shutdown()
