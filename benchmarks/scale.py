@@ -410,13 +410,22 @@ def describe_files(files: ShapeFiles) -> dict[str, int]:
 
 # --- what a decode step reads -------------------------------------------------------------
 def gguf_step_bytes(path: Path) -> int:
-    """Bytes of a GGUF's layer linears and output head (token_embd when tied), as stored."""
+    """Bytes of a GGUF's layer linears and output head (token_embd when tied), as stored; of
+    a layer's stacked experts (``ffn_*_exps``) the share one token reads, top-k of them."""
     from gguf import GGUFReader
 
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
-    linear = sum(b for n, b in sizes.items()
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def field(key: str) -> int:
+        f = reader.fields.get(f"{arch}.{key}")
+        return int(f.contents()) if f is not None else 0
+
+    share = field("expert_used_count") / field("expert_count") if field("expert_count") else 1
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    linear = sum(b * (share if "_exps." in n else 1) for n, b in sizes.items()
                  if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n)
-    return linear + sizes.get("output.weight", sizes["token_embd.weight"])
+    return int(linear) + sizes.get("output.weight", sizes["token_embd.weight"])
 
 
 def forerun_step_bytes(model: Any) -> int:
@@ -432,15 +441,32 @@ def forerun_step_bytes(model: Any) -> int:
             return sum(t.numel() * t.element_size() for t in m.resident_tensors())
         return m.in_features * m.out_features * elem
 
+    from forerun.model.moe import FusedMoE
+
+    # A MoE layer's step reads top_k of its experts (their block-backed linears are not
+    # counted one by one below).
+    experts, expert_ids = 0.0, set()
+    for moe in model.model.layers.modules():
+        if not isinstance(moe, FusedMoE):
+            continue
+        share = moe.top_k / moe.num_experts
+        if moe.quant_experts is not None:
+            parts = [lin for pair in moe.quant_experts for lin in pair]
+            expert_ids |= {id(lin) for lin in parts}
+            experts += share * sum(nbytes(lin) for lin in parts)
+        else:
+            experts += share * (moe.w13.numel() + moe.w2.numel()) * elem
     linears = [m for m in model.model.layers.modules()
-               if hasattr(m, "in_features") and not list(m.children())]
+               if hasattr(m, "in_features") and not list(m.children())
+               and id(m) not in expert_ids]
     if model.quant_head is not None:
         head = nbytes(model.quant_head)
     elif model.lm_head is not None:
         head = nbytes(model.lm_head)
     else:
         head = model.model.embed_tokens.weight.numel() * elem
-    return sum(nbytes(m) for m in linears) + head
+    return int(sum(nbytes(m) for m in linears) + experts) + head
+
 
 
 # --- timing an engine with an LLM.generate API (forerun and vLLM alike) -------------------
