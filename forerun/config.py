@@ -46,6 +46,10 @@ class EngineConfig:
 
     model: str | None = _opt(
         None, "local GGUF file or HF-style folder (default: SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _opt(
+        None, "an HF-style folder (or GGUF) whose tokenizer to use instead of the model's "
+              "own; for a GGUF model its base model's folder saves converting the GGUF "
+              "vocabulary, which takes seconds")
     dtype: str = _opt("auto", "auto, float32, bfloat16 or float16 (CUDA only)")
     device: str = _opt("auto", "auto, cpu or cuda")
     max_model_len: int | None = _opt(None, "the longest prompt + output (default: the model's)")

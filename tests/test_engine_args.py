@@ -14,6 +14,7 @@ from forerun.engine_args import add_engine_args, config_from_args
 # A valid non-default command-line value per field, and the value the config must hold.
 NON_DEFAULTS: dict[str, tuple[list[str], object]] = {
     "model": (["/models/x.gguf"], "/models/x.gguf"),
+    "tokenizer": (["/models/tok"], "/models/tok"),
     "dtype": (["bfloat16"], "bfloat16"),
     "device": (["cpu"], "cpu"),
     "max_model_len": (["512"], 512),

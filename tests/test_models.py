@@ -403,3 +403,28 @@ def test_a_loaded_gguf_is_not_resident_twice(tiny, tmp_path: Path) -> None:
     source = resolve_model(str(path))
     load_model(source, load_model_config(source), torch.float32, CPU)  # reads it all again
     assert _mapped_rss_kib(path) < 0.05 * before
+
+
+def test_a_model_without_a_tokenizer_runs_with_another_folders(tiny, tmp_path: Path) -> None:
+    """``tokenizer=``: vLLM's option (a GGUF's base-model folder saves converting its
+    vocabulary); the model folder here has no tokenizer of its own."""
+    from forerun import LLM, SamplingParams
+    from tests.tiny_model import write_word_tokenizer
+
+    hf, _, folder = tiny
+    if hf.config.model_type != "llama" or hf.config.tie_word_embeddings:
+        pytest.skip("one architecture is enough")
+    assert not (folder / "tokenizer.json").exists()
+    tok_dir = tmp_path / "tok"
+    write_word_tokenizer(tok_dir, hf.config.vocab_size, eos=2)
+    llm = LLM(str(folder), tokenizer=str(tok_dir), dtype="float32", max_model_len=64,
+              kv_cache_memory_bytes=8 << 20)
+    try:
+        assert llm.get_tokenizer().encode("w5z w17z", add_special_tokens=False) == [5, 17]
+        out = llm.generate(["w5z w17z w250z"], SamplingParams(max_tokens=6, temperature=0,
+                                                               ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert out.prompt_token_ids[-3:] == [5, 17, 250]
+        assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids, 6)
+    finally:
+        llm.shutdown()

@@ -347,8 +347,29 @@ def smollm2_files(tmp_path_factory: pytest.TempPathFactory):
                "Q4_0": requantize_gguf(src, out / "smollm2.Q4_0.gguf", GT.Q4_0)}
 
 
+@pytest.fixture(scope="module")
+def smollm2_tokenizer_dir(smollm2_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's tokenizer as a folder: every file below has SmolLM2's vocabulary,
+    and converting it from each GGUF again (``tokenizer=`` spares it) costs ~10 s a file."""
+    folder = tmp_path_factory.mktemp("smollm2-tokenizer")
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+_TOKENIZER: dict[str, str] = {}  # set by the fixture below for the SmolLM2 engines
+
+
+@pytest.fixture(autouse=True)
+def _smollm2_tokenizer(request: pytest.FixtureRequest) -> None:
+    if "smollm2_files" in request.fixturenames or "widened_smollm2" in request.fixturenames:
+        _TOKENIZER["tokenizer"] = str(request.getfixturevalue("smollm2_tokenizer_dir"))
+    else:
+        _TOKENIZER.clear()
+
+
 def _engine(file: Path, **kwargs) -> LLM:
-    return LLM(str(file), kv_cache_memory_bytes=64 << 20, max_model_len=1024, **kwargs)
+    return LLM(str(file), kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+               **_TOKENIZER, **kwargs)
 
 
 def _nll(llm: LLM) -> float:

@@ -118,7 +118,7 @@ class AsyncLLM:
         self.client.start()
         try:
             # Load the tokenizer while the core loads the model.
-            self.tokenizer = load_tokenizer(self.model_info.source)
+            self.tokenizer = load_tokenizer(self.model_info.tokenizer_from)
             ready = self.client.wait_ready()
         except BaseException:
             self.client.shutdown()

@@ -47,10 +47,11 @@ def shared_model(info: ModelInfo, dtype: torch.dtype, device: torch.device,
 
 
 def shared_tokenizer(info: ModelInfo) -> Any:
-    key = f"{info.source.path}|{info.source.gguf_file}"
+    source = info.tokenizer_from
+    key = f"{source.path}|{source.gguf_file}"
     tok = _TOKENIZERS.get(key)
     if tok is None:
-        tok = load_tokenizer(info.source)
+        tok = load_tokenizer(source)
         _TOKENIZERS[key] = tok
     return tok
 

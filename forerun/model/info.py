@@ -20,7 +20,7 @@ from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
 from forerun.model.gguf_file import gguf_chat_template, gguf_hf_config, open_gguf
-from forerun.model.source import ModelSource, resolve_model
+from forerun.model.source import ModelSource, resolve_model, resolve_tokenizer
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -67,6 +67,13 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    # Where the tokenizer comes from: the model's own files unless config.tokenizer names
+    # another.
+    tokenizer_source: ModelSource | None = None
+
+    @property
+    def tokenizer_from(self) -> ModelSource:
+        return self.tokenizer_source or self.source
 
 
 def resolve_model_info(config: EngineConfig) -> ModelInfo:
@@ -78,7 +85,9 @@ def resolve_model_info(config: EngineConfig) -> ModelInfo:
         raise ValueError(
             f"max_model_len {max_model_len} is larger than the model's "
             f"{mc.max_position_embeddings}")
-    return ModelInfo(source, mc, max_model_len, mc.vocab_size, list(mc.eos_token_ids))
+    tokenizer = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
+    return ModelInfo(source, mc, max_model_len, mc.vocab_size, list(mc.eos_token_ids),
+                     tokenizer)
 
 
 def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,

@@ -85,3 +85,17 @@ def resolve_model(model: str | None) -> ModelSource:
             f"({', '.join(ggufs)}); pass the path of one of them"
         )
     raise ModelLoadError(f"model folder {model!r} has no config.json")
+
+
+def resolve_tokenizer(tokenizer: str) -> ModelSource:
+    """The source of a tokenizer named apart from the model (``EngineConfig.tokenizer``): a
+    folder with tokenizer files (no config.json needed), or what :func:`resolve_model`
+    takes."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json",
+                                                          "tokenizer_config.json")):
+        return ModelSource(path=path, gguf_file=None, name=tokenizer)
+    try:
+        return resolve_model(tokenizer)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"tokenizer: {exc}") from exc
