@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from forerun import LLM, SamplingParams
 from forerun.model import cpu_kernels
 from forerun.model.errors import ModelLoadError
+from forerun.model.gguf_file import open_gguf
 from forerun.model.loader import load_model, load_model_config, resolve_model
 from forerun.model.quant.gguf_linear import KQUANT_TYPES, GGUFEmbedding, GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear
@@ -46,7 +47,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
 def requantize_gguf(src: Path, dst: Path, qtype: GT) -> Path:
     """A copy of ``src`` with every quantized tensor re-quantized to ``qtype`` (from its
     dequantized values) and all metadata kept."""
-    reader = GGUFReader(src)
+    reader = open_gguf(src)  # parsed once per process: the 49k-token vocabulary takes seconds
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(dst, arch)
     for field in reader.fields.values():
@@ -83,7 +84,7 @@ def widen_smollm2(src: Path, dst: Path, qtype_of: dict[str, GT], default: GT) ->
     h // 3), whose outputs are zero; RMSNorm then averages over 768 values of which 192 are
     zero, so its weights are scaled by sqrt(576/768) and its eps by 576/768 to compute the
     same values."""
-    reader = GGUFReader(src)
+    reader = open_gguf(src)
     old, heads, kv, hd = 576, 12, 4, 64
     ratio = old / WIDE
     override = {"llama.embedding_length": WIDE, "llama.attention.head_count": heads,
