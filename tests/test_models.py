@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -377,10 +378,10 @@ def _mapped_rss_kib(path: Path) -> int:
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
-            if len(head) >= 6 and "-" in head[0] and not line.startswith(("Rss", "Pss")):
-                inside = head[-1] == str(path.resolve())
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1])
+            if re.match(r"[0-9a-f]+-[0-9a-f]+$", head[0]):  # a mapping's first line
+                inside = len(head) >= 6 and head[-1] == str(path.resolve())
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
     return total
 
 
