@@ -92,6 +92,8 @@ class SmallBatchStack:
         # alive while the table holds their addresses.
         self._moe_tensors: list[torch.Tensor] = []
         self._moe_entries: dict[int, tuple[int, int]] = {}
+        # Asked every step (applies): whether any layer is a mixture of experts.
+        self._has_moe = any(isinstance(layer.mlp, FusedMoE) for layer in model.model.layers)
         # False once prepacking dropped the plain weights without a packed copy here.
         self.available = True
         # bfloat16 packs column pairs: every inner dimension must be even.
@@ -165,7 +167,7 @@ class SmallBatchStack:
             return False
         if self.quantized:
             return True
-        if self._moe_layers() and x.dtype != torch.float32:
+        if self._has_moe and x.dtype != torch.float32:
             return False  # plain experts in bfloat16 would need packed copies of them all
         return ((self._even or x.dtype == torch.float32)
                 and cpu_kernels.small_matmul_is_fast(x.dtype))
