@@ -136,6 +136,18 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # Attention type per layer, in Hugging Face's ``layer_types`` words ("full_attention",
+    # "sliding_attention"); empty means every layer is full attention. A sliding layer
+    # attends to the last ``sliding_window`` positions, its own included.
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions decoder layer ``layer`` attends to (its own included), or
+        None for full attention. The KV cache manager groups layers by this."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def is_moe_layer(self, layer: int) -> bool:
         """True if decoder layer ``layer``'s MLP is a mixture of experts."""
