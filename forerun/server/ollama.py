@@ -1,0 +1,451 @@
+"""Ollama's native API (``/api/*``) on the same app and engine as the OpenAI routes.
+
+A thin translation: an Ollama body becomes forerun's OpenAI chat request
+(``ollama_protocol.OllamaEngineRequest``), which goes through the same chat template, tool
+plan, structured output and ``start_requests`` as ``/v1/chat/completions``; the engine's
+outputs are written back as Ollama's NDJSON stream or one object. Errors are Ollama's
+``{"error": "..."}`` with Ollama's status (400 bad field, 404 unknown model). What differs
+from Ollama, and why, is in docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+import forerun
+from forerun.engine.async_llm import (
+    AsyncLLM,
+    EngineOverloadedError,
+    RequestStream,
+    RequestTimeoutError,
+)
+from forerun.engine.core_client import EngineDeadError
+from forerun.outputs import RequestOutput
+from forerun.server.chat import chat_prompt_ids
+from forerun.server.edge import ClientDisconnected, parse_body, read_body, unless_disconnected
+from forerun.server.errors import APIError, _validation_error
+from forerun.server.ollama_models import CAPABILITIES, ModelFacts, rfc3339
+from forerun.server.ollama_protocol import (
+    ChatRequest,
+    EmbedRequest,
+    GenerateRequest,
+    OllamaEngineRequest,
+    ShowRequest,
+    format_fields,
+    parse_options,
+    sampling_fields,
+    template_messages,
+)
+from forerun.server.serving import ServingContext, request_ids, start_requests
+from forerun.server.tool_calls import ChoiceToolStream, ToolPlan, plan_tools, tool_message
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class OllamaError(Exception):
+    """An error answered as Ollama answers it: ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def _embed(engine: AsyncLLM, texts: list[str]) -> list[list[float]]:
+    """One embedding per text. The pooling engine path is being built separately; until
+    it is wired here, the embedding routes answer 501."""
+    del engine, texts
+    raise OllamaError(501, "embeddings need forerun's pooling (embedding) engine path, which "
+                           "is not wired into this server yet (coming)")
+
+
+# Ollama's model-management routes: forerun serves the one model it was started with.
+# 501 (not 400): the request is well formed, this server does not implement the operation.
+_MANAGEMENT = (("/api/pull", "POST"), ("/api/push", "POST"), ("/api/create", "POST"),
+               ("/api/delete", "DELETE"), ("/api/copy", "POST"),
+               ("/api/blobs/{digest}", "POST"), ("/api/blobs/{digest}", "HEAD"))
+
+
+def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -> None:
+    """Add Ollama's ``/api/*`` routes to ``app``, serving ``ctx``'s engine."""
+    facts: list[ModelFacts] = []  # computed on first use: build_app stays cheap
+
+    def model_facts() -> ModelFacts:
+        if not facts:
+            facts.append(ModelFacts.of(ctx.engine))
+        return facts[0]
+
+    async def run(request: Request, model: type[M],
+                  handle: Callable[[M, int], Awaitable[Response]]) -> Response:
+        """Read and parse the body, answer it; every error in Ollama's shape."""
+        t0 = time.perf_counter_ns()
+        try:
+            raw = await read_body(request, body_limit)
+            if not raw.strip():
+                raise OllamaError(400, "missing request body")
+            body = parse_body(model, raw)
+            return await handle(body, t0)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except OllamaError as exc:
+            return _error(exc.status, exc.message)
+        except APIError as exc:
+            return _error(exc.status, exc.message)
+        except RequestValidationError as exc:
+            return _error(400, _validation_error(exc).message)
+        except (EngineDeadError, EngineOverloadedError, RequestTimeoutError) as exc:
+            return _error(504 if isinstance(exc, RequestTimeoutError) else 503, str(exc))
+
+    @app.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        return await run(request, GenerateRequest,
+                         lambda b, t0: _generate(ctx, b, request, t0, chat=False))
+
+    @app.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        return await run(request, ChatRequest,
+                         lambda b, t0: _generate(ctx, b, request, t0, chat=True))
+
+    @app.api_route("/api/tags", methods=["GET", "HEAD"])
+    async def tags() -> Response:
+        f = model_facts()
+        return JSONResponse({"models": [f.tag(n) for n in _listed_names(ctx)]})
+
+    @app.get("/api/ps")
+    async def ps() -> Response:
+        f = model_facts()
+        return JSONResponse({"models": [f.process(n) for n in _listed_names(ctx)]})
+
+    @app.api_route("/api/version", methods=["GET", "HEAD"])
+    async def version() -> Response:
+        return JSONResponse({"version": forerun.__version__})
+
+    async def show_body(body: ShowRequest, _: int) -> Response:
+        _check_model(ctx, body.model or body.name)
+        f = model_facts()
+        tokenizer = ctx.engine.tokenizer
+        template = ctx.chat_template or getattr(tokenizer, "chat_template", None) or ""
+        return JSONResponse({
+            "modelfile": "", "parameters": "", "template": template,
+            "details": f.details(), "model_info": f.model_info(),
+            "capabilities": list(CAPABILITIES), "modified_at": f.modified_at})
+
+    @app.post("/api/show")
+    async def show(request: Request) -> Response:
+        return await run(request, ShowRequest, show_body)
+
+    async def embed_body(body: EmbedRequest, t0: int, legacy: bool) -> Response:
+        _check_model(ctx, body.model)
+        texts = [body.prompt or ""] if legacy else (
+            [body.input] if isinstance(body.input, str) else list(body.input or []))
+        vectors = await _embed(ctx.engine, texts)
+        if legacy:
+            return JSONResponse({"embedding": vectors[0] if vectors else []})
+        return JSONResponse({"model": body.model, "embeddings": vectors,
+                             "total_duration": time.perf_counter_ns() - t0})
+
+    @app.post("/api/embed")
+    async def embed(request: Request) -> Response:
+        return await run(request, EmbedRequest, lambda b, t0: embed_body(b, t0, False))
+
+    @app.post("/api/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await run(request, EmbedRequest, lambda b, t0: embed_body(b, t0, True))
+
+    async def management(request: Request) -> Response:
+        what = request.url.path.rsplit("/api/", 1)[-1].split("/")[0]
+        return _error(501, f"{what}: not supported: forerun serves only the model it was "
+                           f"started with ({ctx.model_name}); restart `forerun serve` with "
+                           "another model to change it")
+
+    for path, method in _MANAGEMENT:
+        app.add_api_route(path, management, methods=[method], include_in_schema=False)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _listed_names(ctx: ServingContext) -> list[str]:
+    """The served names as Ollama lists models: with a tag (``name:latest``)."""
+    names = ctx.served_model_names or (ctx.model_name,)
+    return [n if ":" in n else f"{n}:latest" for n in names]
+
+
+def _check_model(ctx: ServingContext, name: str) -> None:
+    if not name:
+        raise OllamaError(400, "model is required")
+    names = ctx.served_model_names or (ctx.model_name,)
+    if name not in names and name not in _listed_names(ctx):
+        raise OllamaError(404, f"model '{name}' not found")
+
+
+@dataclass(slots=True)
+class _Timing:
+    """Ollama's durations in nanoseconds: load is the request's preparation (forerun keeps
+    its model loaded), prompt eval runs to the first token, eval from there to the last."""
+
+    start: int
+    queued: int = 0
+    first: int = 0
+    last: int = 0
+
+    def saw(self, out: RequestOutput) -> None:
+        now = time.perf_counter_ns()
+        if not self.first and out.outputs and out.outputs[0].token_ids:
+            self.first = now
+        self.last = now
+
+    def final(self, out: RequestOutput) -> dict[str, Any]:
+        c = out.outputs[0]
+        first = self.first or self.last
+        return {"done": True, "done_reason": c.finish_reason or "stop",
+                "total_duration": self.last - self.start,
+                "load_duration": self.queued - self.start,
+                "prompt_eval_count": len(out.prompt_token_ids),
+                "prompt_eval_duration": first - self.queued,
+                "eval_count": len(c.token_ids), "eval_duration": self.last - first}
+
+
+def _refuse_unsupported(body: ChatRequest | GenerateRequest) -> None:
+    model = body.model
+    if body.think is not None and body.think is not False:
+        raise OllamaError(400, f'"{model}" does not support thinking')
+    if body.logprobs or body.top_logprobs:
+        raise OllamaError(400, "logprobs: not supported by forerun's Ollama API (use "
+                               "/v1/chat/completions with logprobs)")
+    if isinstance(body, GenerateRequest):
+        if body.images:
+            raise OllamaError(400, "images: this model does not support images (forerun "
+                                   "serves text-only models)")
+        if body.suffix:
+            raise OllamaError(400, f'suffix: "{model}" does not support insert')
+        if body.template:
+            raise OllamaError(400, "template: not supported: forerun renders the model's own "
+                                   "Jinja chat template, not Ollama's Go templates")
+        if body.raw and (body.system or body.context):
+            raise OllamaError(400, "raw mode does not support template, system, or context")
+
+
+def _tool_choice(ctx: ServingContext, body: ChatRequest) -> str | None:
+    """Ollama has no tool_choice. With --tool-call-parser the model decides (auto); without
+    one a call is forced by structured output, except right after a tool's result, when the
+    model answers in text (tools stay in the template)."""
+    if not body.tools:
+        return None
+    if ctx.tool_config.enable_auto_tool_choice and ctx.tool_config.tool_call_parser:
+        return "auto"
+    last = body.messages[-1] if body.messages else {}
+    if last.get("role") == "tool":
+        return "none"
+    if body.format not in (None, "", "null"):
+        raise OllamaError(400, "format: cannot be combined with tools on this server: its "
+                               "tool calls are forced by structured output (start forerun "
+                               "serve with --enable-auto-tool-choice --tool-call-parser)")
+    return "required"
+
+
+def _engine_request(ctx: ServingContext, body: ChatRequest | GenerateRequest,
+                    options: dict[str, Any]) -> OllamaEngineRequest:
+    fields: dict[str, Any] = {**sampling_fields(options), **format_fields(body.format)}
+    if isinstance(body, ChatRequest):
+        fields["messages"] = template_messages(body.messages)
+        fields["tools"] = body.tools
+        fields["tool_choice"] = _tool_choice(ctx, body)
+    else:
+        system = [{"role": "system", "content": body.system}] if body.system else []
+        fields["messages"] = [*system, {"role": "user", "content": body.prompt}]
+    try:
+        return OllamaEngineRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _prompt_ids(ctx: ServingContext, body: ChatRequest | GenerateRequest,
+                req: OllamaEngineRequest, plan: ToolPlan) -> list[int]:
+    if isinstance(body, GenerateRequest) and body.raw:
+        try:
+            return ctx.engine.processor.process_prompt(body.prompt).prompt_token_ids
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc)) from None
+    try:
+        ids = chat_prompt_ids(ctx, req, plan)
+    except jinja2.TemplateError as exc:
+        raise OllamaError(400, f"messages: the chat template rejected them: {exc}") from None
+    if isinstance(body, GenerateRequest) and body.context:
+        ids = [*body.context, *ids]  # the earlier exchange, as Ollama prepends it
+    return ids
+
+
+def _max_tokens(ctx: ServingContext, options: dict[str, Any], n_prompt: int) -> int:
+    """num_predict within the context: num_ctx (at most max_model_len) less the prompt."""
+    limit = ctx.engine.max_model_len
+    num_ctx = options.get("num_ctx")
+    if num_ctx is not None and num_ctx > limit:
+        raise OllamaError(400, f"options.num_ctx: {num_ctx} is larger than this server's "
+                               f"context of {limit} tokens (forerun serve --max-model-len)")
+    window = limit if num_ctx is None or num_ctx <= 0 else num_ctx
+    room = window - n_prompt
+    if room < 1:
+        where = "options.num_ctx" if num_ctx else "prompt"
+        raise OllamaError(400, f"{where}: the prompt has {n_prompt} tokens, which leaves no "
+                               f"room to generate in a context of {window} tokens")
+    predict = options.get("num_predict", -1)
+    return room if predict <= 0 else min(predict, room)  # Ollama: <= 0 means no limit
+
+
+async def _generate(ctx: ServingContext, body: ChatRequest | GenerateRequest, request: Request,
+                    t0: int, chat: bool) -> Response:
+    _check_model(ctx, body.model)
+    _refuse_unsupported(body)
+    empty = not body.messages if isinstance(body, ChatRequest) else not body.prompt
+    if empty:  # Ollama's "load the model" request: it is always loaded here
+        reply: dict[str, Any] = {"model": body.model, "created_at": rfc3339(), "done": True,
+                                 "done_reason": "load"}
+        reply.update({"message": {"role": "assistant", "content": ""}} if chat
+                     else {"response": ""})
+        return JSONResponse(reply)
+    options = parse_options(body.options)
+    req = _engine_request(ctx, body, options)
+    plan = plan_tools(ctx.tool_config, req, ctx.engine.tokenizer)
+    ids = _prompt_ids(ctx, body, req, plan)
+    req = plan.adjust_request(req)
+    max_tokens = _max_tokens(ctx, options, len(ids))
+    _, engine_id = request_ids(request, "ollama")
+    (stream,) = await start_requests(ctx, req, engine_id, [{"prompt_token_ids": ids}],
+                                     max_tokens, None)
+    timing = _Timing(t0, time.perf_counter_ns())
+    writer = _Writer(body.model, chat, plan, timing)
+    if body.stream:
+        return StreamingResponse(writer.lines(stream), media_type="application/x-ndjson")
+    try:
+        last = await unless_disconnected(request, writer.whole(stream))
+    except EngineDeadError as exc:
+        raise OllamaError(503, f"the engine is not available: {exc}") from None
+    return JSONResponse(last)
+
+
+class _Writer:
+    """The engine's outputs of one request as Ollama's chunks (chat or generate)."""
+
+    def __init__(self, model: str, chat: bool, plan: ToolPlan, timing: _Timing) -> None:
+        self.model, self.chat, self.plan, self.timing = model, chat, plan, timing
+        # Forced calls are JSON, not text: shown only as tool_calls once whole.
+        self.quiet = plan.mode in ("required", "named")
+        self.tools = ChoiceToolStream(plan) if plan.mode == "auto" else None
+        self.sent = 0  # characters of the text already streamed
+
+    def chunk(self, text: str, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "created_at": rfc3339()}
+        if self.chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        out["done"] = False
+        out.update(extra)
+        return out
+
+    def content(self, text: str, finished: bool) -> str:
+        """What the text so far adds to the reply's visible content."""
+        if self.quiet:
+            return ""
+        if self.tools is not None:
+            d = self.tools.delta(text, finished)
+            return d.content if d is not None and isinstance(d.content, str) else ""
+        return text[self.sent:]
+
+    def end(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The closing chunks: the tool calls (whole), then ``done`` with the counts."""
+        c = out.outputs[0]
+        if c.finish_reason not in ("stop", "length"):
+            raise OllamaError(500, f"the engine ended this request with {c.finish_reason!r} "
+                                   "(the server log says why, e.g. a grammar that did not "
+                                   "compile in time)")
+        closing: list[dict[str, Any]] = []
+        if self.plan.mode != "none":
+            message, _ = tool_message(self.plan, "assistant", c.text, c.finish_reason)
+            calls = _ollama_calls(message.tool_calls)
+            if calls:
+                closing.append(self.chunk(""))
+                closing[-1]["message"]["tool_calls"] = calls
+            elif self.quiet and c.text:
+                closing.append(self.chunk(c.text))  # cut short: what was written
+        done = self.chunk("", **self.timing.final(out))
+        if not self.chat:
+            done["context"] = [*out.prompt_token_ids, *c.token_ids]
+        return [*closing, done]
+
+    async def lines(self, stream: RequestStream) -> AsyncIterator[bytes]:
+        try:
+            last = None
+            async for out in stream:
+                self.timing.saw(out)
+                last = out
+                c = out.outputs[0]
+                piece = self.content(c.text, c.finish_reason is not None)
+                self.sent = len(c.text)
+                if piece:
+                    yield _line(self.chunk(piece))
+            assert last is not None
+            for chunk in self.end(last):
+                yield _line(chunk)
+        except (EngineDeadError, RequestTimeoutError) as exc:
+            yield _line({"error": str(exc)})
+        except OllamaError as exc:
+            yield _line({"error": exc.message})
+        finally:
+            stream.abort()
+
+    async def whole(self, stream: RequestStream) -> dict[str, Any]:
+        try:
+            last = None
+            async for out in stream:
+                self.timing.saw(out)
+                last = out
+        finally:
+            stream.abort()
+        assert last is not None
+        chunks = self.end(last)
+        done = chunks[-1]
+        c = last.outputs[0]
+        if self.chat:
+            message, _ = tool_message(self.plan, "assistant", c.text, c.finish_reason)
+            calls = _ollama_calls(message.tool_calls)
+            content = "" if calls and self.quiet else (message.content or "")
+            done["message"] = {"role": "assistant", "content": content}
+            if calls:
+                done["message"]["tool_calls"] = calls
+        else:
+            done["response"] = c.text
+        return done
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+def _ollama_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI tool calls (arguments as JSON text) in Ollama's shape (arguments an object)."""
+    out: list[dict[str, Any]] = []
+    for i, tc in enumerate(calls):
+        try:
+            args = json.loads(tc.function.arguments or "{}")
+        except ValueError:
+            logger.info("dropping tool call %r: its arguments are not JSON", tc.function.name)
+            continue
+        out.append({"id": tc.id, "function": {"index": i, "name": tc.function.name,
+                                              "arguments": args}})
+    return out
