@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Hello, my name is"
-N = 12
+N = 8
 GREEDY = {"temperature": 0, "num_predict": N}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather",
@@ -99,17 +99,26 @@ def test_tool_call_round_trip(client: ollama.Client) -> None:
     assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
     jsonschema.validate(call.function.arguments, WEATHER)
     assert r.done_reason == "stop" and not r.message.content
-    streamed = list(client.chat(model=MODEL, messages=messages, tools=TOOLS, options=opts,
-                                stream=True))
-    calls = [c.message.tool_calls for c in streamed if c.message.tool_calls]
-    assert [[(t.function.name, t.function.arguments) for t in cs] for cs in calls] == [
-        [("get_weather", call.function.arguments)]]
     # The call's result goes back as a tool message; the model answers it in text.
     messages += [r.message, {"role": "tool", "content": "Sunny, 22 C",
                              "tool_name": "get_weather"}]
     r2 = client.chat(model=MODEL, messages=messages, tools=TOOLS,
-                     options={"temperature": 0, "num_predict": 8})
+                     options={"temperature": 0, "num_predict": 4})
     assert r2.message.content and not r2.message.tool_calls
+
+
+def test_streamed_tool_calls_from_several_tools(client: ollama.Client) -> None:
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+    chunks = list(client.chat(model=MODEL, messages=[
+        {"role": "user", "content": "What is the weather in Paris?"}], tools=[*TOOLS, clock],
+        options={"temperature": 0, "num_predict": 60}, stream=True))
+    calls = [t for c in chunks for t in c.message.tool_calls or []]
+    assert calls and all(not c.message.content for c in chunks)
+    for t in calls:  # each a whole call, arguments an object valid for its tool
+        schema = WEATHER if t.function.name == "get_weather" else clock["function"]["parameters"]
+        jsonschema.validate(t.function.arguments, schema)
+    assert chunks[-1].done and chunks[-1].done_reason == "stop"
 
 
 def test_format_schema_output_validates(client: ollama.Client) -> None:

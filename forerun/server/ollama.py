@@ -240,10 +240,12 @@ def _refuse_unsupported(body: ChatRequest | GenerateRequest) -> None:
             raise OllamaError(400, "raw mode does not support template, system, or context")
 
 
-def _tool_choice(ctx: ServingContext, body: ChatRequest) -> str | None:
+def _tool_choice(ctx: ServingContext, body: ChatRequest) -> str | dict[str, Any] | None:
     """Ollama has no tool_choice. With --tool-call-parser the model decides (auto); without
     one a call is forced by structured output, except right after a tool's result, when the
-    model answers in text (tools stay in the template)."""
+    model answers in text (tools stay in the template). One tool is forced as that named
+    function: the model writes only its arguments (a third of the tokens of the calls
+    array), at the cost of one call per turn instead of several."""
     if not body.tools:
         return None
     if ctx.tool_config.enable_auto_tool_choice and ctx.tool_config.tool_call_parser:
@@ -255,6 +257,10 @@ def _tool_choice(ctx: ServingContext, body: ChatRequest) -> str | None:
         raise OllamaError(400, "format: cannot be combined with tools on this server: its "
                                "tool calls are forced by structured output (start forerun "
                                "serve with --enable-auto-tool-choice --tool-call-parser)")
+    if len(body.tools) == 1:
+        fn = body.tools[0].get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return {"type": "function", "function": {"name": fn["name"]}}
     return "required"
 
 
