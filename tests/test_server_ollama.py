@@ -99,6 +99,11 @@ def test_tool_call_round_trip(client: ollama.Client) -> None:
     assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
     jsonschema.validate(call.function.arguments, WEATHER)
     assert r.done_reason == "stop" and not r.message.content
+    # Cut short before the call is whole: no call, the text written so far, "length".
+    cut = client.chat(model=MODEL, messages=messages, tools=TOOLS,
+                      options={"temperature": 0, "num_predict": 2})
+    assert cut.done_reason == "length" and not cut.message.tool_calls
+    assert cut.message.content and cut.message.content.startswith("{")
     # The call's result goes back as a tool message; the model answers it in text.
     messages += [r.message, {"role": "tool", "content": "Sunny, 22 C",
                              "tool_name": "get_weather"}]

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +32,13 @@ from forerun.engine.async_llm import (
 from forerun.engine.core_client import EngineDeadError
 from forerun.outputs import RequestOutput
 from forerun.server.chat import chat_prompt_ids
-from forerun.server.edge import ClientDisconnected, parse_body, read_body, unless_disconnected
+from forerun.server.edge import (
+    ClientDisconnected,
+    off_loop_if_big,
+    parse_body,
+    read_body,
+    unless_disconnected,
+)
 from forerun.server.errors import APIError, _validation_error
 from forerun.server.ollama_models import CAPABILITIES, ModelFacts, rfc3339
 from forerun.server.ollama_protocol import (
@@ -89,15 +94,15 @@ def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -
         return facts[0]
 
     async def run(request: Request, model: type[M],
-                  handle: Callable[[M, int], Awaitable[Response]]) -> Response:
+                  handle: Callable[[M, int, int], Awaitable[Response]]) -> Response:
         """Read and parse the body, answer it; every error in Ollama's shape."""
         t0 = time.perf_counter_ns()
         try:
             raw = await read_body(request, body_limit)
             if not raw.strip():
                 raise OllamaError(400, "missing request body")
-            body = parse_body(model, raw)
-            return await handle(body, t0)
+            body = await off_loop_if_big(len(raw), parse_body, model, raw)
+            return await handle(body, t0, len(raw))
         except ClientDisconnected:
             return Response(status_code=499)
         except OllamaError as exc:
@@ -112,12 +117,12 @@ def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
         return await run(request, GenerateRequest,
-                         lambda b, t0: _generate(ctx, b, request, t0, chat=False))
+                         lambda b, t0, n: _generate(ctx, b, request, t0, n, chat=False))
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
         return await run(request, ChatRequest,
-                         lambda b, t0: _generate(ctx, b, request, t0, chat=True))
+                         lambda b, t0, n: _generate(ctx, b, request, t0, n, chat=True))
 
     @app.api_route("/api/tags", methods=["GET", "HEAD"])
     async def tags() -> Response:
@@ -133,7 +138,7 @@ def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -
     async def version() -> Response:
         return JSONResponse({"version": forerun.__version__})
 
-    async def show_body(body: ShowRequest, _: int) -> Response:
+    async def show_body(body: ShowRequest, _t0: int, _n: int) -> Response:
         _check_model(ctx, body.model or body.name)
         f = model_facts()
         tokenizer = ctx.engine.tokenizer
@@ -147,7 +152,7 @@ def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -
     async def show(request: Request) -> Response:
         return await run(request, ShowRequest, show_body)
 
-    async def embed_body(body: EmbedRequest, t0: int, legacy: bool) -> Response:
+    async def embed_body(body: EmbedRequest, t0: int, _n: int, legacy: bool) -> Response:
         _check_model(ctx, body.model)
         texts = [body.prompt or ""] if legacy else (
             [body.input] if isinstance(body.input, str) else list(body.input or []))
@@ -159,11 +164,11 @@ def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -
 
     @app.post("/api/embed")
     async def embed(request: Request) -> Response:
-        return await run(request, EmbedRequest, lambda b, t0: embed_body(b, t0, False))
+        return await run(request, EmbedRequest, lambda b, t0, n: embed_body(b, t0, n, False))
 
     @app.post("/api/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await run(request, EmbedRequest, lambda b, t0: embed_body(b, t0, True))
+        return await run(request, EmbedRequest, lambda b, t0, n: embed_body(b, t0, n, True))
 
     async def management(request: Request) -> Response:
         what = request.url.path.rsplit("/api/", 1)[-1].split("/")[0]
@@ -287,10 +292,7 @@ def _prompt_ids(ctx: ServingContext, body: ChatRequest | GenerateRequest,
             return ctx.engine.processor.process_prompt(body.prompt).prompt_token_ids
         except ValueError as exc:
             raise APIError.bad_request(str(exc)) from None
-    try:
-        ids = chat_prompt_ids(ctx, req, plan)
-    except jinja2.TemplateError as exc:
-        raise OllamaError(400, f"messages: the chat template rejected them: {exc}") from None
+    ids = chat_prompt_ids(ctx, req, plan)
     if isinstance(body, GenerateRequest) and body.context:
         ids = [*body.context, *ids]  # the earlier exchange, as Ollama prepends it
     return ids
@@ -314,7 +316,7 @@ def _max_tokens(ctx: ServingContext, options: dict[str, Any], n_prompt: int) -> 
 
 
 async def _generate(ctx: ServingContext, body: ChatRequest | GenerateRequest, request: Request,
-                    t0: int, chat: bool) -> Response:
+                    t0: int, body_bytes: int, chat: bool) -> Response:
     _check_model(ctx, body.model)
     _refuse_unsupported(body)
     empty = not body.messages if isinstance(body, ChatRequest) else not body.prompt
@@ -327,15 +329,16 @@ async def _generate(ctx: ServingContext, body: ChatRequest | GenerateRequest, re
     options = parse_options(body.options)
     req = _engine_request(ctx, body, options)
     plan = plan_tools(ctx.tool_config, req, ctx.engine.tokenizer)
-    ids = _prompt_ids(ctx, body, req, plan)
+    # Templating and tokenising a big body run off the event loop, as on /v1.
+    ids = await off_loop_if_big(body_bytes, _prompt_ids, ctx, body, req, plan)
     req = plan.adjust_request(req)
     max_tokens = _max_tokens(ctx, options, len(ids))
     _, engine_id = request_ids(request, "ollama")
     (stream,) = await start_requests(ctx, req, engine_id, [{"prompt_token_ids": ids}],
-                                     max_tokens, None)
+                                     max_tokens, None, body_bytes)
     timing = _Timing(t0, time.perf_counter_ns())
     writer = _Writer(body.model, chat, plan, timing)
-    if body.stream:
+    if body.stream is not False:  # Ollama streams unless told not to (null too)
         return StreamingResponse(writer.lines(stream), media_type="application/x-ndjson")
     try:
         last = await unless_disconnected(request, writer.whole(stream))
@@ -424,18 +427,21 @@ class _Writer:
         finally:
             stream.abort()
         assert last is not None
-        chunks = self.end(last)
-        done = chunks[-1]
+        *closing, done = self.end(last)
         c = last.outputs[0]
-        if self.chat:
-            message, _ = tool_message(self.plan, "assistant", c.text, c.finish_reason)
-            calls = _ollama_calls(message.tool_calls)
-            content = "" if calls and self.quiet else (message.content or "")
-            done["message"] = {"role": "assistant", "content": content}
-            if calls:
-                done["message"]["tool_calls"] = calls
-        else:
+        if not self.chat:
             done["response"] = c.text
+            return done
+        calls = [t for ch in closing for t in ch["message"].get("tool_calls", [])]
+        if self.quiet:  # forced calls: text only when cut short before a whole call
+            content = "".join(ch["message"]["content"] for ch in closing)
+        elif self.plan.mode == "auto":
+            content = tool_message(self.plan, "assistant", c.text, c.finish_reason)[0].content
+        else:
+            content = c.text
+        done["message"] = {"role": "assistant", "content": content or ""}
+        if calls:
+            done["message"]["tool_calls"] = calls
         return done
 
 

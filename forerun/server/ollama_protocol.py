@@ -59,7 +59,7 @@ class _OllamaBody(TextCheckedRequest):
     model_config = _BODY
 
     model: str = ""
-    stream: bool = True
+    stream: bool | None = None  # null or absent: stream (Go's *bool)
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     # Accepted and ignored: forerun keeps its one model loaded for as long as it runs.
@@ -77,7 +77,7 @@ class GenerateRequest(_OllamaBody):
     system: str | None = None
     template: str | None = None
     context: list[int] | None = None
-    raw: bool = False
+    raw: bool | None = None
     images: list[str] | None = None
 
 
