@@ -196,3 +196,30 @@ def test_bad_input_is_ollama_error_naming_field_and_frees_blocks(
     with pytest.raises(ollama.ResponseError) as err:
         client.chat(model="missing", messages=CHAT)
     assert err.value.status_code == 404 and err.value.error == "model 'missing' not found"
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate", "/v1/models"])
+def test_api_key_guards_ollama_routes_too(path: str) -> None:
+    import asyncio
+
+    from forerun.server.edge import EdgeGuard
+
+    reached: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    guard = EdgeGuard(app, api_key="k", max_body_bytes=1 << 20)
+    scope = {"type": "http", "path": path, "headers": []}
+    asyncio.run(guard(scope, receive, send))
+    assert not reached and sent[0]["status"] == 401
+    asyncio.run(guard({**scope, "headers": [(b"authorization", b"Bearer k")]}, receive, send))
+    assert reached == [path]
