@@ -49,6 +49,15 @@ _ENGINE_NAMES: dict[str, str] = {
 }
 
 
+class OllamaError(Exception):
+    """An error answered as Ollama answers it: ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
 class OllamaEngineRequest(ChatCompletionRequest):
     """The OpenAI chat request an Ollama body becomes; engine errors name Ollama's fields."""
 
