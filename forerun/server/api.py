@@ -34,6 +34,7 @@ from forerun.server.edge import (
 )
 from forerun.server.errors import APIError, install_error_handlers
 from forerun.server.metrics import ServerMetrics
+from forerun.server.ollama import register_ollama_routes
 from forerun.server.protocol import ChatCompletionRequest, CompletionRequest
 from forerun.server.responses_api import create_response
 from forerun.server.responses_protocol import ResponsesRequest
@@ -171,6 +172,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     async def server_load() -> Response:
         # Without --enable-server-load-tracking nothing counts, and this stays 0 (vLLM).
         return JSONResponse({"server_load": load.in_flight})
+
+    register_ollama_routes(app, ctx, limit)  # Ollama's /api/* (forerun/server/ollama.py)
 
     _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest,
                             TokenizeCompletionRequest, DetokenizeRequest])

@@ -37,7 +37,7 @@ def _too_large(limit: int) -> APIError:
 
 
 class EdgeGuard:
-    """ASGI middleware: API key on ``/v1`` routes and the declared body size, body unread."""
+    """ASGI middleware: API key on ``/v1`` and ``/api/`` routes and the declared body size, body unread."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -50,7 +50,8 @@ class EdgeGuard:
             return
         headers = dict(scope.get("headers") or [])
         error = None
-        if self.api_key is not None and route_path(scope).startswith("/v1"):
+        # /api: Ollama's routes (forerun/server/ollama.py) generate too.
+        if self.api_key is not None and route_path(scope).startswith(("/v1", "/api/")):
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                     token.strip().encode("latin-1"), self.api_key.encode()):
