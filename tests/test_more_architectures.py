@@ -119,7 +119,7 @@ def _hf_greedy_cached(hf: Any, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         for _ in range(n):
-            logits = hf(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = hf(ids, cache=cache, use_cache=True).logits[0, -1]
             out.append(int(logits.argmax()))
             ids = torch.tensor([[out[-1]]])
     return out

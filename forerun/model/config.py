@@ -30,6 +30,11 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = (
 # Types whose ``original_max_position_embeddings`` transformers fills in when a config
 # leaves it out (the top-level one first, as Phi-3 keeps it, else max_position_embeddings).
 _ORIGINAL_CONTEXT_TYPES = ("yarn", "longrope")
+# The parameters each type cannot do without (a GGUF's llama3 carries its factors instead).
+_ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "llama3": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+}
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -66,6 +71,10 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             scaling = None
         else:
             scaling["rope_type"] = rope_type
+        for key in _ROPE_REQUIRED.get(rope_type, ()):
+            if scaling.get(key) is None and not (
+                    rope_type == "llama3" and scaling.get("freq_factors") is not None):
+                raise ModelLoadError(f"{rope_type} rope scaling needs {key!r}")
         if rope_type in _ORIGINAL_CONTEXT_TYPES:
             original = (d.get("original_max_position_embeddings")
                         or scaling.get("original_max_position_embeddings")

@@ -269,6 +269,12 @@ def _granite_config(reader: GGUFReader, arch: str) -> dict[str, Any]:
         value = _field(reader, f"{arch}.{gguf_key}")
         if value is not None:
             out[name] = float(value)
+    if not out.get("attention_multiplier"):
+        # llama.cpp's reading of a missing (or zero) attention.scale: 1 / sqrt(head_dim).
+        heads = int(_field(reader, f"{arch}.attention.head_count"))
+        head_dim = _field(reader, f"{arch}.attention.key_length") or int(
+            _field(reader, f"{arch}.embedding_length")) // heads
+        out["attention_multiplier"] = float(head_dim) ** -0.5
     return out
 
 
