@@ -299,7 +299,9 @@ _TO_GGUF = {
 # OLMo 2's post-block norms; every other family's post_attention_layernorm is ffn_norm.
 _OLMO2_NORMS = {"post_attention_layernorm": "post_attention_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
-_GGUF_ARCH = {"phi3": "phi3", "granite": "granite", "olmo2": "olmo2", "smollm3": "smollm3"}
+_GGUF_ARCH = {"phi3": "phi3", "granite": "granite", "olmo2": "olmo2", "smollm3": "smollm3",
+              "llama": "llama"}
+_PERMUTED = ("granite", "smollm3", "llama")
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
@@ -351,6 +353,13 @@ def _write_gguf(hf: Any, path: Path, tokens: list[str]) -> None:
             rope["original_max_position_embeddings"])))
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    if rope.get("rope_type") in ("linear", "yarn"):  # as the converter's base class writes
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -360,9 +369,9 @@ def _write_gguf(hf: Any, path: Path, tokens: list[str]) -> None:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = t.detach().float().numpy()
-        if arch in ("granite", "smollm3") and ".q_proj." in name:
+        if arch in _PERMUTED and ".q_proj." in name:
             arr = _llamacpp_permute(arr, heads)
-        elif arch in ("granite", "smollm3") and ".k_proj." in name:
+        elif arch in _PERMUTED and ".k_proj." in name:
             arr = _llamacpp_permute(arr, kv_heads)
         w.add_tensor(_gguf_name(name, arch), arr.copy())
     w.write_header_to_file()
@@ -394,6 +403,23 @@ def test_gguf_loads_equal_to_the_hf_folder(tiny, tmp_path: Path) -> None:
     if name == "smollm3":
         assert config.nope_layers == [3]
     config.max_model_len = ORIGINAL
+    ours = load_model(source, config, torch.float32, CPU)
+    with torch.inference_mode():
+        got = PagedDriver(ours).step([("a", PROMPT)])[0]
+        want = hf(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("private_model_cache")
+@pytest.mark.parametrize("rope", ["linear", "yarn"])
+def test_gguf_rope_scaling_metadata_loads_equal(rope: str, tmp_path: Path) -> None:
+    params = {**ROPES[rope], "beta_fast": 24, "beta_slow": 2} if rope == "yarn" else ROPES[rope]
+    hf = _tiny_hf(_rope_llama_config(params), seed=5)
+    path = tmp_path / f"{rope}.gguf"
+    _write_gguf(hf, path, [f"t{i}" for i in range(COMMON["vocab_size"])])
+    source = resolve_model(str(path))
+    config = load_model_config(source)
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == rope
     ours = load_model(source, config, torch.float32, CPU)
     with torch.inference_mode():
         got = PagedDriver(ours).step([("a", PROMPT)])[0]
