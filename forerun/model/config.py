@@ -86,15 +86,13 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def _rotary_dim(d: dict[str, Any], head_dim: int) -> int:
     """How many of a head's dimensions rotate: ``partial_rotary_factor`` of them (Phi-4-mini:
     0.75), top level or inside ``rope_parameters``; a GGUF states the count itself."""
-    if d.get("rotary_dim"):
-        return int(d["rotary_dim"])
     factor = d.get("partial_rotary_factor")
     if factor is None:
         factor = (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-    dim = int(head_dim * float(factor))
+    dim = int(d["rotary_dim"]) if d.get("rotary_dim") else int(head_dim * float(factor))
     if not 2 <= dim <= head_dim or dim % 2:
-        raise ModelLoadError(f"partial_rotary_factor {factor} gives {dim} rotary dimensions "
-                             f"of head_dim {head_dim}; need an even number in 2..{head_dim}")
+        raise ModelLoadError(f"{dim} rotary dimensions (partial_rotary_factor {factor}) of "
+                             f"head_dim {head_dim}; need an even number in 2..{head_dim}")
     return dim
 
 
