@@ -1,4 +1,6 @@
-"""Rotary position embedding in the Hugging Face ``rotate_half`` layout."""
+"""Rotary position embedding in the Hugging Face ``rotate_half`` layout, with every rope
+scaling type transformers defines for decoders (linear, dynamic NTK, yarn, llama3,
+longrope; docs/architectures.md says where forerun's choices differ) and partial rotary."""
 
 from __future__ import annotations
 
