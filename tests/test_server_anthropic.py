@@ -62,12 +62,17 @@ def _user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
+@pytest.fixture(scope="module")
+def ref(llm_cache: Any) -> Any:
+    """The offline engine's greedy answer to SYSTEM + QUESTION (12 tokens)."""
+    return llm_cache().chat([{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": QUESTION}],
+                            SamplingParams(max_tokens=12, temperature=0.0),
+                            use_tqdm=False)[0]
+
+
 def test_greedy_text_is_the_offline_engines_for_the_same_chat(
-        client: anthropic.Anthropic, llm_cache: Any) -> None:
-    ref = llm_cache().chat([{"role": "system", "content": SYSTEM},
-                            {"role": "user", "content": QUESTION}],
-                           SamplingParams(max_tokens=12, temperature=0.0),
-                           use_tqdm=False)[0]
+        client: anthropic.Anthropic, ref: Any) -> None:
     msg = client.messages.create(model=MODEL, max_tokens=12, system=SYSTEM,
                                  messages=_user(QUESTION), extra_body=GREEDY,
                                  metadata={"user_id": "u-1"})
@@ -83,7 +88,7 @@ def test_greedy_text_is_the_offline_engines_for_the_same_chat(
 def test_stream_rebuilds_the_same_message(client: anthropic.Anthropic,
                                           http: httpx.Client) -> None:
     # system as text blocks is the same system prompt as the string.
-    kw: dict[str, Any] = dict(model=MODEL, max_tokens=10, messages=_user(QUESTION),
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=8, messages=_user(QUESTION),
                               system=[{"type": "text", "text": "You are a helpful "},
                                       {"type": "text", "text": "assistant."}],
                               extra_body=GREEDY)
@@ -97,7 +102,7 @@ def test_stream_rebuilds_the_same_message(client: anthropic.Anthropic,
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
         whole.usage.input_tokens + whole.usage.cache_read_input_tokens
     # On the wire: each data's type is its event: line, in Anthropic's order.
-    body = {"model": MODEL, "max_tokens": 10, "messages": _user(QUESTION),
+    body = {"model": MODEL, "max_tokens": 8, "messages": _user(QUESTION),
             "system": SYSTEM, "stream": True, **GREEDY}
     events, name = [], None
     with http.stream("POST", "/v1/messages", json=body) as r:
@@ -179,14 +184,15 @@ def test_count_tokens_is_the_rendered_templates_length(
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counted.input_tokens
 
 
-def test_stop_sequences_end_with_stop_sequence(client: anthropic.Anthropic) -> None:
-    kw: dict[str, Any] = dict(model=MODEL, max_tokens=12, system=SYSTEM,
-                              messages=_user(QUESTION), extra_body=GREEDY)
-    free = _text(client.messages.create(**kw))
+def test_stop_sequences_end_with_stop_sequence(client: anthropic.Anthropic,
+                                               ref: Any) -> None:
+    free = ref.outputs[0].text  # the same chat's greedy text without a stop sequence
     words = free.split()
     assert len(words) >= 3, free
     stop = " " + words[2]
-    msg = client.messages.create(stop_sequences=[stop], **kw)
+    msg = client.messages.create(model=MODEL, max_tokens=12, system=SYSTEM,
+                                 messages=_user(QUESTION), stop_sequences=[stop],
+                                 extra_body=GREEDY)
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
     assert _text(msg) == free[:free.index(stop)]
 
@@ -207,6 +213,17 @@ def test_stop_sequences_end_with_stop_sequence(client: anthropic.Anthropic) -> N
      "invalid_request_error", "tool_choice"),
     ({"max_tokens": 5000, "messages": _user("x")}, 400, "invalid_request_error",
      "max_tokens"),
+    ({"max_tokens": 4, "messages": _user("x"), "tools": [WEATHER],
+      "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}, 400,
+     "invalid_request_error", "output_config.format"),
+    ({"max_tokens": 4, "messages": _user("x"),
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+     "invalid_request_error", "tools.0.type"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]}]},
+     400, "invalid_request_error", "messages.0.content.0.content.0.type"),
     ({"max_tokens": 4, "messages": _user("x"), "model": "no-such-model"}, 404,
      "not_found_error", "model"),
 ])

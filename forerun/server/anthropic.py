@@ -167,7 +167,9 @@ def _stop(blocks: list[ContentBlock], finish: str | None,
 
 def _renamed(err: APIError) -> APIError:
     """An error raised by the chat machinery, naming the Anthropic field instead."""
-    err.message = AnthropicChatRequest.api_error_text(err.message)
+    # A Messages body has no response_format: one named is output_config.format.
+    err.message = AnthropicChatRequest.api_error_text(err.message).replace(
+        "response_format", "output_config.format")
     if err.param in AnthropicChatRequest.engine_field_names:
         err.param = AnthropicChatRequest.engine_field_names[err.param]
     if err.param and not err.message.startswith(err.param):

@@ -180,7 +180,8 @@ class MessagesRequest(_AnthropicBody):
         fields: dict[str, Any] = {
             "model": self.model, "messages": self.chat_messages(),
             "max_tokens": self.max_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences,
+            # top_k 0 samples from every token, as no top_k does.
+            "top_p": self.top_p, "top_k": self.top_k or None, "stop": self.stop_sequences,
             "stream": self.stream, "response_format": self.response_format(),
             "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),
             "user": user if isinstance(user, str) else None,
