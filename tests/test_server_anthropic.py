@@ -85,6 +85,24 @@ def test_greedy_text_is_the_offline_engines_for_the_same_chat(
     assert usage.input_tokens + usage.cache_read_input_tokens == len(ref.prompt_token_ids)
 
 
+def test_a_last_assistant_turn_is_continued(client: anthropic.Anthropic, llm_cache: Any,
+                                            smollm2_tokenizer: Any) -> None:
+    # Anthropic's prefill: the reply continues the assistant's text. Oracle: the offline
+    # engine on the template rendered with continue_final_message.
+    turns = [{"role": "user", "content": QUESTION},
+             {"role": "assistant", "content": "The capital of France is"}]
+    text = smollm2_tokenizer.apply_chat_template(turns, continue_final_message=True,
+                                                 tokenize=False)
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    ref = llm_cache().generate([{"prompt_token_ids": ids}],
+                               SamplingParams(max_tokens=6, temperature=0.0),
+                               use_tqdm=False)[0].outputs[0]
+    msg = client.messages.create(model=MODEL, max_tokens=6, messages=turns,
+                                 extra_body=GREEDY)
+    assert _text(msg) == ref.text
+    assert client.messages.count_tokens(model=MODEL, messages=turns).input_tokens == len(ids)
+
+
 def test_stream_rebuilds_the_same_message(client: anthropic.Anthropic,
                                           http: httpx.Client) -> None:
     # system as text blocks is the same system prompt as the string.

@@ -132,6 +132,16 @@ class _AnthropicBody(TextCheckedRequest):
             out += _chat_turn(f"messages.{i}", m)
         return out
 
+    def template_fields(self) -> dict[str, Any]:
+        """A last assistant turn is a prefill: the reply continues it (Anthropic's rule),
+        so it is rendered open, without a new generation prompt."""
+        last = self.messages[-1] if self.messages else None
+        if last is None or last.role != "assistant" or (not isinstance(last.content, str)
+                                                        and any(b.get("type") == "tool_use"
+                                                                for b in last.content)):
+            return {}
+        return {"add_generation_prompt": False, "continue_final_message": True}
+
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """``tools`` as chat's function tools; ValueError names the tool."""
         if self.tools is None:
@@ -184,7 +194,7 @@ class MessagesRequest(_AnthropicBody):
             "top_p": self.top_p, "top_k": self.top_k or None, "stop": self.stop_sequences,
             "stream": self.stream, "response_format": self.response_format(),
             "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),
-            "user": user if isinstance(user, str) else None,
+            "user": user if isinstance(user, str) else None, **self.template_fields(),
         }
         if self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use:
             fields["parallel_tool_calls"] = False
@@ -201,7 +211,7 @@ class CountTokensRequest(_AnthropicBody):
     def to_chat(self) -> AnthropicChatRequest:
         return AnthropicChatRequest.model_validate(
             {"model": self.model, "messages": self.chat_messages(),
-             "tools": self.chat_tools()})
+             "tools": self.chat_tools(), **self.template_fields()})
 
 
 class AnthropicChatRequest(ChatCompletionRequest):
