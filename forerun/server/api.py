@@ -17,6 +17,7 @@ import forerun
 from forerun.engine.async_llm import AsyncLLM
 from forerun.engine.processor import ProcessedPrompt
 from forerun.sampling_params import SamplingParams
+from forerun.server.anthropic import register_anthropic_routes
 from forerun.server.bodies import ModelCard, ModelList, encode
 from forerun.server.chat import create_chat_completion
 from forerun.server.chat_batch import BatchChatCompletionRequest, create_batch_chat_completion
@@ -136,6 +137,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     async def responses(request: Request) -> Response:
         return await generate(request, responses=True)
 
+    register_anthropic_routes(app, ctx, limit)  # /v1/messages: Anthropic's Messages API
+
     @app.post("/invocations", openapi_extra=_json_body(ChatCompletionRequest))
     async def invocations(request: Request) -> Response:
         """SageMaker's single route: chat when the body has messages, else completions."""
@@ -214,7 +217,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
 
 # Generation routes: what --enable-server-load-tracking counts.
 _LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions",
-                           "/v1/chat/completions/batch", "/v1/responses", "/invocations"})
+                           "/v1/chat/completions/batch", "/v1/responses", "/invocations",
+                           "/v1/messages"})
 
 
 def _invocation_kind(raw: bytes) -> type[BaseModel]:
