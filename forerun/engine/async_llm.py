@@ -276,12 +276,24 @@ class AsyncLLM:
                             arrival_time: float | None = None) -> RequestStream:
         """Validate and send one pooling request; its stream yields one
         PoolingRequestOutput. Raises ValueError (field name first) if bad."""
-        self._ensure_handler()
         self.check_admission(1)
+        processed, params = self.process_pooling(prompt, params)
+        return self.add_processed_pooling_request(request_id, processed, params, arrival_time)
+
+    def process_pooling(self, prompt: PromptType, params: PoolingParams
+                        ) -> tuple[ProcessedPrompt, PoolingParams]:
+        """Check and tokenise a pooling request without sending it (ValueError if bad)."""
+        params = self.processor.process_pooling_params(params)
+        return self.processor.process_prompt(prompt, params.truncate_prompt_tokens), params
+
+    def add_processed_pooling_request(self, request_id: str, processed: ProcessedPrompt,
+                                      params: PoolingParams,
+                                      arrival_time: float | None = None) -> RequestStream:
+        """Send a pooling request :meth:`process_pooling` has checked."""
+        self._ensure_handler()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        params = self.processor.process_pooling_params(params)
-        processed = self.processor.process_prompt(prompt, params.truncate_prompt_tokens)
+        self.check_admission(1)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         deadline = None
         if self.request_timeout_s is not None:
