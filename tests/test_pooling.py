@@ -17,6 +17,7 @@ from forerun.config import EngineConfig
 from forerun.engine.async_llm import AsyncLLM
 from forerun.outputs import PoolingRequestOutput, RequestOutput
 from forerun.pooling_params import PoolerConfig, PoolingParams
+from forerun.server.embeddings import embed_texts
 from tests.conftest import assert_all_blocks_free
 from tests.tiny_model import write_tiny_llama, write_word_tokenizer
 
@@ -164,7 +165,7 @@ def test_async_encode_matches_the_sync_engine(tiny: tuple[str, Any], engines: An
     want = _vectors(engines["ref"].embed([{"prompt_token_ids": p} for p in PROMPTS],
                                          PoolingParams(pooling_type="MEAN"), use_tqdm=False))
 
-    async def run() -> tuple[list[Any], Any]:
+    async def run() -> tuple[list[Any], list[list[float]], Any]:
         engine = AsyncLLM(EngineConfig(model=folder, runner="pooling",
                                        max_num_batched_tokens=8, **ENGINE),
                           engine_process=False)
@@ -175,13 +176,18 @@ def test_async_encode_matches_the_sync_engine(tiny: tuple[str, Any], engines: An
                 assert len(outs) == 1 and outs[0].finished
                 return outs[0]
             got = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-            return got, (await engine.get_engine_stats())[0]
+            # The helper other protocols' routes (Ollama's /api/embed) call.
+            plain = await embed_texts(engine, [PROMPTS[1], "w5z w6z"], dimensions=8)
+            return got, plain, (await engine.get_engine_stats())[0]
         finally:
             await engine.shutdown_async()
 
-    got, stats = asyncio.run(run())
+    got, plain, stats = asyncio.run(run())
     torch.testing.assert_close(torch.tensor([o.outputs.data for o in got]), want,
                                rtol=1e-5, atol=1e-5)
+    ref = engines["ref"].embed([{"prompt_token_ids": PROMPTS[1]}, "w5z w6z"],
+                               PoolingParams(dimensions=8), use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(plain), _vectors(ref), rtol=1e-5, atol=1e-5)
     assert stats.kv_cache.num_free_blocks == stats.kv_cache.num_blocks
 
 
