@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -130,16 +131,15 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            base = pooling_params or PoolingParams()
-            if truncate_prompt_tokens is not None:
-                base = PoolingParams(base.dimensions, base.normalize, truncate_prompt_tokens,
-                                     base.pooling_type)
-            params_list = [base] * len(prompts)
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
             params_list = list(pooling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"pooling_params: got {len(params_list)} for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:  # vLLM's keyword, over each request's own
+            params_list = [dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for pp in params_list]
         engine = self.llm_engine
         for p, pp in zip(prompts, params_list, strict=True):
             resolved = engine.processor.process_pooling_params(pp)

@@ -140,6 +140,39 @@ def test_pooling_mixed_with_generation_leaves_both_unchanged(engines: Any) -> No
     assert_all_blocks_free(gen)
 
 
+def test_a_preempted_pooling_request_is_recomputed_to_the_same_vector(
+        tiny: tuple[str, Any], engines: Any) -> None:
+    # Five blocks: the generation's third block can only come from the pooling request
+    # admitted beside it, which is preempted halfway through its chunked MEAN prompt.
+    llm = LLM(tiny[0], num_gpu_blocks_override=5, max_num_batched_tokens=4,
+              **{**ENGINE, "max_model_len": 80})
+    try:
+        sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        gen_prompt = {"prompt_token_ids": list(range(1, 31))}
+        alone = llm.generate([gen_prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+        mean = PoolingParams(pooling_type="MEAN")
+        want = _vectors(engines["ref"].embed([{"prompt_token_ids": PROMPTS[1]}], mean,
+                                             use_tqdm=False))
+        engine = llm.llm_engine
+        engine.add_request("g", gen_prompt, sp)
+        engine.add_pooling_request("p", {"prompt_token_ids": PROMPTS[1]}, mean)
+        done: dict[str, Any] = {}
+        preempted = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            req = engine.scheduler.requests.get("p")
+            preempted |= req is not None and req.num_preemptions > 0
+        assert preempted
+        assert done["g"].outputs[0].token_ids == alone
+        torch.testing.assert_close(torch.tensor([done["p"].outputs.data]), want,
+                                   rtol=1e-5, atol=1e-5)
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_generation_on_a_pooling_engine_is_refused_naming_the_runner(engines: Any) -> None:
     with pytest.raises(ValueError, match=r"^model: .*--runner pooling"):
         engines["ref"].generate("w5z w6z", SamplingParams(max_tokens=2), use_tqdm=False)
