@@ -3,14 +3,15 @@
 from typing import TYPE_CHECKING, Any
 
 from forerun.outputs import CompletionOutput, RequestOutput
+from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
 from forerun.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from forerun.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

@@ -83,6 +83,14 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = _opt(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, '
               "suffix)", parse=_json_dict)
+    runner: str = _opt(
+        "generate", "generate (text) or pooling (embeddings and scores; generation requests "
+                    "are refused); auto is generate for the decoder models forerun runs",
+        choices=("auto", "generate", "pooling"))
+    pooler_config: dict[str, Any] | None = _opt(
+        None, 'JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type LAST, '
+              "MEAN or CLS; normalize; dimensions): how pooling requests pool by default",
+        parse=_json_dict)
     simulated_device: str | None = _opt(
         None, "DEVICE[/MODEL], e.g. h100/llama-3-8b: the forward only sleeps for its modelled "
               "step time (to measure the host side)")
@@ -152,11 +160,32 @@ class EngineConfig:
                              f"got {self.data_parallel_rank!r}")
         from forerun.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.from_dict(self.speculative_config)  # validates
+        self._check_pooling()
         if self.simulated_device is not None:
             from forerun.worker.simulated import parse_simulated_device
             parse_simulated_device(self.simulated_device)
             if self.speculative_config:
                 raise ValueError("simulated_device: speculative decoding needs the real model")
+
+    def _check_pooling(self) -> None:
+        from forerun.pooling_params import PoolerConfig
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got "
+                             f"{self.runner!r}")
+        PoolerConfig.from_dict(self.pooler_config)  # validates
+        if self.runner == "pooling":
+            for what, bad in (("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+                              ("simulated_device", self.simulated_device is not None),
+                              ("speculative_config", bool(self.speculative_config))):
+                if bad:
+                    raise ValueError(f"runner: the pooling runner does not support {what}")
+
+    @property
+    def supports_pooling(self) -> bool:
+        """Whether pooling requests can run: the worker pools where it holds the whole
+        model's final hidden states (not across pipeline stages, not on a simulated
+        device)."""
+        return self.pipeline_parallel_size == 1 and self.simulated_device is None
 
     @property
     def world_size(self) -> int:

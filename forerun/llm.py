@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -20,8 +21,16 @@ from forerun.core.stats import EngineStats
 from forerun.engine.chat import apply_chat_template
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.processor import PromptType
-from forerun.outputs import RequestOutput
+from forerun.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams, check_text
+from forerun.scoring import cosine, pair_texts
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +95,7 @@ class LLM:
             # The scheduler can still refuse one (more KV blocks than the cache holds).
             self._abort_and_drain(added)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm)  # type: ignore[return-value]
 
     def chat(
         self,
@@ -108,6 +117,75 @@ class LLM:
             for conv in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+               ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (prefill only, no sampling); outputs in prompt order.
+
+        Works on a ``runner="pooling"`` engine and on a generating one alike (the same
+        scheduler, the same path; vLLM refuses the latter). Every prompt is checked first.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"pooling_params: got {len(params_list)} for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:  # vLLM's keyword, over each request's own
+            params_list = [dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for pp in params_list]
+        engine = self.llm_engine
+        for p, pp in zip(prompts, params_list, strict=True):
+            resolved = engine.processor.process_pooling_params(pp)
+            engine.processor.process_prompt(p, resolved.truncate_prompt_tokens)
+        ids = [f"pool-{next(self._counter)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, p, pp in zip(ids, prompts, params_list, strict=True):
+                added.append(rid)
+                engine.add_pooling_request(rid, p, pp)
+        except BaseException:
+            self._abort_and_drain(added)
+            raise
+        outs = self._run(ids, use_tqdm)
+        for out in outs:
+            if out.finish_reason != "stop":  # type: ignore[union-attr]
+                raise RuntimeError(f"pooling request {out.request_id} ended with "
+                                   f"{out.finish_reason!r}")  # type: ignore[union-attr]
+        return outs  # type: ignore[return-value]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: one embedding per prompt (``.outputs.embedding``)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for embedding models: the cosine similarity of each pair's
+        embeddings (one ``text_1`` against every ``text_2``, or lists pairwise)."""
+        pairs = pair_texts(text_1, text_2)
+        firsts = list(dict.fromkeys(a for a, _ in pairs))
+        seconds = [b for _, b in pairs]
+        outs = self.embed(firsts + seconds, pooling_params, truncate_prompt_tokens, use_tqdm)
+        by_first = dict(zip(firsts, outs[: len(firsts)], strict=True))
+        results = []
+        for (a, _), eb in zip(pairs, outs[len(firsts):], strict=True):
+            ea = by_first[a]
+            results.append(ScoringRequestOutput(
+                eb.request_id, ScoringOutput(cosine(ea.outputs.embedding, eb.outputs.embedding)),
+                ea.prompt_token_ids + eb.prompt_token_ids))
+        return results
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams, use_tqdm: bool = False,
@@ -132,9 +210,10 @@ class LLM:
             lambda ps, sp: self.generate(ps, sp, use_tqdm=use_tqdm), ids, params,
             proc.eos_token_ids, lambda t: tok.decode(t))
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool
+             ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         pending = set(ids)
         bar: Any = None
         # Everything after the requests were queued runs inside the try: even the progress

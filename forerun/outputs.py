@@ -59,3 +59,67 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     # One per prompt token when asked; the first is None (nothing predicts it).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's vector (vLLM's ``PoolingOutput``; a list here, not a tensor)."""
+
+    data: list[float]
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A finished pooling request (vLLM's ``PoolingRequestOutput``)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    # "stop" when the vector is there; "abort" / "error" when there is none.
+    finish_reason: str | None = None
+    prompt: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One embedding (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data), out.prompt_token_ids,
+                   out.finished)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """The similarity of one text pair (vLLM's ``ScoringOutput``)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's shape): both prompts' ids, one score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -77,7 +79,10 @@ class Request:
         # Speculative decoding: how many drafts the next step schedules (their ids stay on
         # the worker).
         self.num_spec_tokens = 0
-        self.spec_enabled = sampling_params.supports_spec_decode
+        # A pooling request (forerun/pooling_params.py) is prefill-only: it never samples,
+        # never gets placeholders, and ends with the step that computes its last position.
+        self.pooling_params = pooling_params
+        self.spec_enabled = sampling_params.supports_spec_decode and pooling_params is None
         self.is_prefill_chunk = False
         # Tokens scheduled in steps whose output has not been processed yet.
         self.num_in_flight_tokens = 0
@@ -133,6 +138,13 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs asked for and not delivered yet (they need the whole prefill)."""
         return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Cached positions would not be computed, and this request needs them: prompt
+        logprobs, or pooling that reads every position (MEAN, CLS)."""
+        return self.wants_prompt_logprobs or (
+            self.pooling_params is not None and self.pooling_params.needs_every_position)
 
     @property
     def use_structured_output(self) -> bool:

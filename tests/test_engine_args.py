@@ -33,6 +33,8 @@ NON_DEFAULTS: dict[str, tuple[list[str], object]] = {
     "quantization": (["int8"], "int8"),
     "speculative_config": (['{"method": "ngram", "num_speculative_tokens": 2}'],
                            {"method": "ngram", "num_speculative_tokens": 2}),
+    "runner": (["pooling"], "pooling"),
+    "pooler_config": (['{"pooling_type": "MEAN"}'], {"pooling_type": "MEAN"}),
     "simulated_device": (["h100/llama-3-8b"], "h100/llama-3-8b"),
     "data_parallel_size": (["2"], 2),
     "data_parallel_rank": (["1"], 1),

@@ -175,7 +175,8 @@ BAD: list[tuple[str, dict[str, Any], int, str]] = [
      "messages[0].images"),
     ("/api/chat", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("/api/pull", {"model": "llama3"}, 501, "serves only the model"),
-    ("/api/embed", {"model": MODEL, "input": "x"}, 501, "(coming)"),
+    ("/api/embed", {"model": MODEL, "input": ""}, 400, "input"),
+    ("/api/embed", {"model": MODEL, "input": "x", "dimensions": 0}, 400, "dimensions"),
 ]
 
 

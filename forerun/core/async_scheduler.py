@@ -24,8 +24,8 @@ class AsyncScheduler(Scheduler):
         num_drafts = self.config.num_speculative_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests[req_id]
-            if request.is_prefill_chunk:
-                continue
+            if request.is_prefill_chunk or request.pooling_params is not None:
+                continue  # samples nothing: a chunk short of the end, or a pooling request
             # A grammar needs the token in flight before it can mask this step.
             pending_structured |= (
                 request.use_structured_output and request.num_output_placeholders > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
 
 
@@ -21,6 +22,8 @@ class NewRequestData:
     num_prompt_tokens: int = -1
     # Prompt logprobs still to compute (asked for, and not delivered before a preemption).
     want_prompt_logprobs: bool = False
+    # A pooling request: the worker pools its hidden states instead of sampling.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +95,8 @@ class ModelRunnerOutput:
     # accepted drafts plus one), and drafts the worker holds for each request's next step.
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_next_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Pooling requests whose last prompt position this step computed: the pooled vector.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -106,6 +111,8 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids entry
     # Every prompt position, delivered once with the first output (entry 0 is None).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A pooling request's result (it comes with its finish).
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

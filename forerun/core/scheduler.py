@@ -260,8 +260,9 @@ class Scheduler:
                             skipped.append(request)
                             compiling.append(request)
                         continue
-                if request.wants_prompt_logprobs:
-                    # Cached positions would not be computed, and their logprobs are needed.
+                if request.skips_prefix_cache:
+                    # Cached positions would not be computed, and their logprobs (or their
+                    # hidden states, for MEAN/CLS pooling) are needed.
                     hits, num_hit = [], 0
                 else:
                     hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -332,6 +333,7 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                     num_prompt_tokens=request.num_prompt_tokens,
                     want_prompt_logprobs=request.wants_prompt_logprobs,
+                    pooling_params=request.pooling_params,
                 )
             )
         for request in scheduled_running:
@@ -433,6 +435,13 @@ class Scheduler:
             new_ids, stopped = self._update_request_with_output(
                 request, new_ids, is_stale, status_before
             )
+            pooled = model_runner_output.pooler_output.get(req_id)
+            if pooled is not None and (is_stale or request.pooling_params is None):
+                pooled = None  # a preempted life's vector: the request is recomputed
+            if pooled is not None:
+                # The step computed the prompt's last position: the request is done.
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
             chunk = model_runner_output.prompt_logprobs.get(req_id)
             if chunk is not None and request.wants_prompt_logprobs:
                 assert request.prompt_logprobs is not None
@@ -462,6 +471,7 @@ class Scheduler:
                         # Trimmed like the ids when a stop cut them short.
                         logprobs=logprobs[: len(new_ids)] if logprobs is not None else None,
                         prompt_logprobs=prompt_logprobs,
+                        pooling_output=pooled,
                     )
                 )
         if stopped_running:

@@ -15,10 +15,11 @@ from forerun.engine.core_client import EngineDeadError, make_core_client
 from forerun.engine.core_messages import CoreFailed, CoreOutputs, StatsReply
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.parallel_sampling import ParallelSampling
-from forerun.engine.processor import ProcessedPrompt, Processor, PromptType
+from forerun.engine.processor import ProcessedPrompt, PromptType, make_processor
 from forerun.model.info import ModelInfo, resolve_model_info
 from forerun.model.tokenizer import load_tokenizer
-from forerun.outputs import RequestOutput
+from forerun.outputs import PoolingRequestOutput, RequestOutput
+from forerun.pooling_params import PoolingParams, pooling_sampling_params
 from forerun.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -129,8 +130,7 @@ class AsyncLLM:
             logger.info("max_model_len is %d (the engine core's KV cache limit)",
                         ready.max_model_len)
             info.max_model_len = ready.max_model_len
-        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
-                                   info.eos_token_ids, config.max_logprobs)
+        self.processor = make_processor(config, info, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}
@@ -271,6 +271,57 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    def add_pooling_request(self, request_id: str, prompt: PromptType,
+                            params: PoolingParams,
+                            arrival_time: float | None = None) -> RequestStream:
+        """Validate and send one pooling request; its stream yields one
+        PoolingRequestOutput. Raises ValueError (field name first) if bad."""
+        self.check_admission(1)
+        processed, params = self.process_pooling(prompt, params)
+        return self.add_processed_pooling_request(request_id, processed, params, arrival_time)
+
+    def process_pooling(self, prompt: PromptType, params: PoolingParams
+                        ) -> tuple[ProcessedPrompt, PoolingParams]:
+        """Check and tokenise a pooling request without sending it (ValueError if bad)."""
+        params = self.processor.process_pooling_params(params)
+        return self.processor.process_prompt(prompt, params.truncate_prompt_tokens), params
+
+    def add_processed_pooling_request(self, request_id: str, processed: ProcessedPrompt,
+                                      params: PoolingParams,
+                                      arrival_time: float | None = None) -> RequestStream:
+        """Send a pooling request :meth:`process_pooling` has checked."""
+        self._ensure_handler()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self.check_admission(1)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        deadline = None
+        if self.request_timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        stream = RequestStream(self, request_id, deadline, processed.prompt_token_ids)
+        self._streams[request_id] = stream
+        self.output_processor.add_pooling_request(request_id, processed.prompt,
+                                                  processed.prompt_token_ids, params, arrival)
+        try:
+            self.client.add_request(request_id, processed.prompt_token_ids,
+                                    pooling_sampling_params(), arrival,
+                                    pooling_params=params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.output_processor.abort_request(request_id)
+            raise
+        return stream
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
+                     request_id: str) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's ``AsyncLLM.encode``: yield the request's one (final) pooling output."""
+        stream = self.add_pooling_request(request_id, prompt, pooling_params)
+        try:
+            async for out in stream:
+                yield out  # type: ignore[misc]
+        finally:
+            stream.abort()
+
     def abort(self, request_id: str) -> None:
         """Abort a request (a parallel-sampling parent aborts all its children)."""
         stream = self._streams.pop(request_id, None)
@@ -368,7 +419,8 @@ class AsyncLLM:
         if self.observer is not None:
             # Metrics count sequences: each child of an n > 1 request on its own.
             for out in outputs:
-                self.observer.on_output(out)
+                if isinstance(out, RequestOutput):  # pooling outputs carry no tokens
+                    self.observer.on_output(out)
         for out in self._parallel.merge(outputs):
             stream = self._streams.get(out.request_id)
             if stream is None:

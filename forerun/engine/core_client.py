@@ -31,6 +31,7 @@ from forerun.engine.core_messages import (
 )
 from forerun.engine.core_proc import run_engine_core
 from forerun.engine.dp_router import PrefixAwareRouter
+from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
 from forerun.spawn import main_hidden
 
@@ -166,12 +167,14 @@ class EngineCoreClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float,
-                    group: str | None = None) -> None:
+                    group: str | None = None,
+                    pooling_params: PoolingParams | None = None) -> None:
         """``group``: requests that should share an engine (the children of one n > 1
         request); meaningful only to :class:`DPEngineCoreClient`."""
         if not self.is_alive():
             raise EngineDeadError(self.death_message())
-        self._send(AddRequest(request_id, prompt_token_ids, params, arrival_time))
+        self._send(AddRequest(request_id, prompt_token_ids, params, arrival_time,
+                              pooling_params))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive():
@@ -255,13 +258,15 @@ class DPEngineCoreClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float,
-                    group: str | None = None) -> None:
+                    group: str | None = None,
+                    pooling_params: PoolingParams | None = None) -> None:
         if group is not None and group in self._groups:
             i, left = self._groups[group]
         else:
             i = self.router.choose(prompt_token_ids, self.load)
             left = 0
-        self.clients[i].add_request(request_id, prompt_token_ids, params, arrival_time)
+        self.clients[i].add_request(request_id, prompt_token_ids, params, arrival_time,
+                                    pooling_params=pooling_params)
         self._owner[request_id] = i
         self.load[i] += 1
         if group is not None:

@@ -10,6 +10,7 @@ import msgspec
 
 from forerun.core.output import EngineCoreOutput, TokenLogprobs
 from forerun.core.stats import EngineStats
+from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
 
 
@@ -26,6 +27,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    # A pooling request (prefill-only; ``params`` is then a placeholder never sampled).
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -55,11 +58,12 @@ class WireOutput(msgspec.Struct, array_like=True):
     first_scheduled_time: float | None = None
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    pooling_output: list[float] | None = None
 
     def to_core_output(self) -> EngineCoreOutput:
         return EngineCoreOutput(self.request_id, self.new_token_ids, self.finish_reason,
                                 self.stop_reason, self.num_cached_tokens, self.logprobs,
-                                self.prompt_logprobs)
+                                self.prompt_logprobs, self.pooling_output)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

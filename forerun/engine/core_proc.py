@@ -110,7 +110,8 @@ class EngineCoreProc:
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):
             req = Request(msg.request_id, msg.prompt_token_ids, msg.params,
-                          arrival_time=msg.arrival_time, block_hasher=self.block_hasher)
+                          arrival_time=msg.arrival_time, block_hasher=self.block_hasher,
+                          pooling_params=msg.pooling_params)
             self.unreported[req.request_id] = req
             self.core.add_request(req)
         elif isinstance(msg, AbortRequests):
@@ -137,7 +138,7 @@ class EngineCoreProc:
                 self.unreported.pop(o.request_id, None)
             wire.append(WireOutput(o.request_id, o.new_token_ids, o.finish_reason,
                                    o.stop_reason, o.num_cached_tokens, sched_time,
-                                   o.logprobs, o.prompt_logprobs))
+                                   o.logprobs, o.prompt_logprobs, o.pooling_output))
         self._send(CoreOutputs(wire))
 
     def _send(self, msg: CoreOutputs | StatsReply | Heartbeat) -> None:

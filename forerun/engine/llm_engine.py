@@ -11,8 +11,9 @@ from forerun.core.stats import EngineStats
 from forerun.engine.builder import build_engine_core, resolve_model_info, shared_tokenizer
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.parallel_sampling import ParallelSampling
-from forerun.engine.processor import ProcessedPrompt, Processor, PromptType
-from forerun.outputs import RequestOutput
+from forerun.engine.processor import ProcessedPrompt, PromptType, make_processor
+from forerun.outputs import PoolingRequestOutput, RequestOutput
+from forerun.pooling_params import PoolingParams, pooling_sampling_params
 from forerun.request import Request
 from forerun.sampling_params import SamplingParams
 from forerun.trace import ENGINE_LANE
@@ -34,8 +35,7 @@ class LLMEngine:
         self.async_scheduling = self.engine_core.async_scheduling
         self.max_model_len = info.max_model_len
         self._block_hasher = make_block_hasher(config.block_size)
-        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
-                                   info.eos_token_ids, config.max_logprobs)
+        self.processor = make_processor(config, info, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._parallel = ParallelSampling()
 
@@ -62,6 +62,23 @@ class LLMEngine:
         self.output_processor.add_request(request_id, processed.prompt,
                                           processed.prompt_token_ids, params, arrival)
 
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                            arrival_time: float | None = None) -> None:
+        """Validate and queue one pooling (embedding) request; ValueError before any work.
+
+        The request is prefill-only: ``step()`` reports one PoolingRequestOutput for it,
+        when its last prompt position has been computed.
+        """
+        params = self.processor.process_pooling_params(params)
+        processed = self.processor.process_prompt(prompt, params.truncate_prompt_tokens)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        request = Request(request_id, processed.prompt_token_ids, pooling_sampling_params(),
+                          arrival_time=arrival, block_hasher=self._block_hasher,
+                          pooling_params=params)
+        self.engine_core.add_request(request)
+        self.output_processor.add_pooling_request(request_id, processed.prompt,
+                                                  processed.prompt_token_ids, params, arrival)
+
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by id; a parallel-sampling parent aborts all its children."""
         engine_ids = [eid for rid in request_ids for eid in self._parallel.forget(rid)]
@@ -72,7 +89,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.engine_core.run_step()
         with self.tracer.span("output", ENGINE_LANE):
             outputs, to_abort = self.output_processor.process_outputs(core_outputs)

@@ -11,10 +11,13 @@ from forerun.engine.stop_checker import StopStringChecker
 from forerun.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
 )
+from forerun.pooling_params import PoolingParams, pooling_sampling_params
 from forerun.sampling_params import SamplingParams
 
 
@@ -37,6 +40,8 @@ class RequestState:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # A pooling request: its one output is a PoolingRequestOutput.
+    pooling_params: PoolingParams | None = None
 
     def visible_text(self) -> str:
         """Text safe to show now: never a prefix of a stop string that may still match."""
@@ -91,6 +96,14 @@ class OutputProcessor:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.request_states[request_id] = state
 
+    def add_pooling_request(self, request_id: str, prompt: str | None,
+                            prompt_token_ids: list[int], params: PoolingParams,
+                            arrival_time: float) -> None:
+        """Track a pooling request: no detokenizer, no stop strings, one final output."""
+        self.request_states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, pooling_sampling_params(), None, None,
+            RequestMetrics(arrival_time), [], pooling_params=params)
+
     def abort_request(self, request_id: str) -> RequestState | None:
         return self.request_states.pop(request_id, None)
 
@@ -99,15 +112,24 @@ class OutputProcessor:
 
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Return the RequestOutputs to hand out and the ids the core must abort."""
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
+        """Return the outputs to hand out and the ids the core must abort."""
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput | PoolingRequestOutput] = []
         to_abort: list[str] = []
         for out in core_outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # finished here already (stop string); late tokens are dropped
+            if state.pooling_params is not None:
+                if out.finish_reason is not None:
+                    state.metrics.finished_time = now
+                    del self.request_states[out.request_id]
+                    outputs.append(PoolingRequestOutput(
+                        out.request_id, PoolingOutput(out.pooling_output or []),
+                        state.prompt_token_ids, True, out.num_cached_tokens,
+                        out.finish_reason, state.prompt))
+                continue
             if out.new_token_ids:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from forerun.pooling_params import PoolerConfig, PoolingParams
 from forerun.sampling_params import (
     ALL_LOGPROBS,
     MAX_LOGPROBS,
@@ -33,8 +34,14 @@ class Processor:
     """Checks a request before any work starts, so that bad input fails alone and early."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], max_logprobs: int = MAX_LOGPROBS) -> None:
+                 eos_token_ids: list[int], max_logprobs: int = MAX_LOGPROBS,
+                 runner: str = "generate", pooler_config: PoolerConfig | None = None,
+                 hidden_size: int = 0) -> None:
         self.tokenizer = tokenizer
+        # --runner pooling refuses generation; pooler_config None: this engine cannot pool.
+        self.runner = runner
+        self.pooler_config = pooler_config
+        self.hidden_size = hidden_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -108,6 +115,11 @@ class Processor:
         return p
 
     def process_params(self, params: SamplingParams) -> SamplingParams:
+        if self.runner == "pooling":
+            raise ValueError(
+                "model: this engine runs the pooling runner (--runner pooling): it computes "
+                "embeddings and scores (LLM.embed / LLM.score, /v1/embeddings, /v1/score), "
+                "not generations")
         params = params.clone()
         params.update_from_model(self.eos_token_ids)
         self._check_logprobs(params)
@@ -130,6 +142,18 @@ class Processor:
         if params.bad_words:
             params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         return params
+
+    def process_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """The request's pooling with the engine's defaults resolved; ValueError if this
+        engine cannot pool or the request asks for more than the model has."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be PoolingParams, got "
+                             f"{type(params).__name__}")
+        if self.pooler_config is None:
+            raise ValueError("model: this engine cannot compute embeddings (pooling needs "
+                             "the whole model's hidden states: no pipeline parallelism, no "
+                             "simulated device)")
+        return params.resolved(self.pooler_config, self.hidden_size)
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         """Counts above the engine's limit are refused (vLLM's rule and wording); -1 (the
@@ -166,3 +190,13 @@ class Processor:
 
 def _keep_last(ids: list[int], k: int | None) -> list[int]:
     return list(ids[-k:]) if k is not None else list(ids)
+
+
+def make_processor(config: Any, info: Any, tokenizer: Any) -> Processor:
+    """The processor of an engine built from ``config`` (an EngineConfig) over ``info``
+    (its ModelInfo): limits, EOS ids, and whether and how it pools."""
+    pooler = PoolerConfig.from_dict(config.pooler_config) if config.supports_pooling else None
+    return Processor(tokenizer, info.max_model_len, info.vocab_size, info.eos_token_ids,
+                     config.max_logprobs,
+                     runner="pooling" if config.runner == "pooling" else "generate",
+                     pooler_config=pooler, hidden_size=info.model_config.hidden_size)

@@ -33,6 +33,7 @@ from forerun.server.edge import (
     parse_body,
     read_body,
 )
+from forerun.server.embeddings import add_pooling_routes
 from forerun.server.errors import APIError, install_error_handlers
 from forerun.server.metrics import ServerMetrics
 from forerun.server.ollama import register_ollama_routes
@@ -170,6 +171,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
         @app.get("/tokenizer_info")
         async def tokenizer_info_route() -> Response:
             return JSONResponse(tokenizer_info(ctx))
+
+    add_pooling_routes(app, ctx, limit)  # /v1/embeddings, /score, /rerank
 
     @app.get("/load")
     async def server_load() -> Response:

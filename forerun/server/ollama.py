@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ from forerun.engine.async_llm import (
     RequestTimeoutError,
 )
 from forerun.engine.core_client import EngineDeadError
+from forerun.pooling_params import PoolingParams
 from forerun.server.chat import chat_prompt_ids
 from forerun.server.edge import (
     ClientDisconnected,
@@ -35,6 +37,7 @@ from forerun.server.edge import (
     read_body,
     unless_disconnected,
 )
+from forerun.server.embeddings import encode_prompts
 from forerun.server.errors import APIError, _validation_error
 from forerun.server.ollama_models import CAPABILITIES, ModelFacts, rfc3339
 from forerun.server.ollama_protocol import (
@@ -58,12 +61,18 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 
-async def _embed(engine: AsyncLLM, texts: list[str]) -> list[list[float]]:
-    """One embedding per text. The pooling engine path is being built separately; until
-    it is wired here, the embedding routes answer 501."""
-    del engine, texts
-    raise OllamaError(501, "embeddings need forerun's pooling (embedding) engine path, which "
-                           "is not wired into this server yet (coming)")
+async def _embed(engine: AsyncLLM, texts: list[str], normalize: bool,
+                 dimensions: int | None, request: Request) -> tuple[list[list[float]], int]:
+    """(one embedding per text, prompt tokens pooled), through the pooling path the OpenAI
+    ``/v1/embeddings`` route uses (last-token pooling, the served decoder's own hidden
+    states). ``/api/embed`` normalises, the legacy ``/api/embeddings`` does not (Ollama)."""
+    try:
+        params = PoolingParams(dimensions=dimensions, normalize=normalize)
+    except ValueError as exc:
+        raise OllamaError(400, str(exc)) from None
+    outs = await encode_prompts(engine, texts, params, f"embd-{uuid.uuid4().hex}",
+                                request=request)
+    return [o.outputs.data for o in outs], sum(len(o.prompt_token_ids) for o in outs)
 
 
 # Ollama's model-management routes: forerun serves the one model it was started with.
@@ -141,23 +150,33 @@ def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -
     async def show(request: Request) -> Response:
         return await run(request, ShowRequest, show_body)
 
-    async def embed_body(body: EmbedRequest, t0: int, _n: int, legacy: bool) -> Response:
+    async def embed_body(body: EmbedRequest, t0: int, _n: int, legacy: bool,
+                         request: Request) -> Response:
         _check_model(ctx, body.model)
+        # ``truncate`` is accepted, but an input longer than the context is a 400 whatever
+        # it says: Ollama cuts such an input's end, vLLM's truncation keeps its end.
         texts = [body.prompt or ""] if legacy else (
             [body.input] if isinstance(body.input, str) else list(body.input or []))
-        vectors = await _embed(ctx.engine, texts)
+        if not texts or not all(texts):
+            raise OllamaError(400, "input: must hold at least one non-empty text")
+        vectors, tokens = await _embed(ctx.engine, texts, not legacy,
+                                       None if legacy else body.dimensions, request)
         if legacy:
-            return JSONResponse({"embedding": vectors[0] if vectors else []})
+            return JSONResponse({"embedding": vectors[0]})
+        total = time.perf_counter_ns() - t0
         return JSONResponse({"model": body.model, "embeddings": vectors,
-                             "total_duration": time.perf_counter_ns() - t0})
+                             "total_duration": total, "load_duration": 0,
+                             "prompt_eval_count": tokens})
 
     @app.post("/api/embed")
     async def embed(request: Request) -> Response:
-        return await run(request, EmbedRequest, lambda b, t0, n: embed_body(b, t0, n, False))
+        return await run(request, EmbedRequest,
+                         lambda b, t0, n: embed_body(b, t0, n, False, request))
 
     @app.post("/api/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await run(request, EmbedRequest, lambda b, t0, n: embed_body(b, t0, n, True))
+        return await run(request, EmbedRequest,
+                         lambda b, t0, n: embed_body(b, t0, n, True, request))
 
     async def management(request: Request) -> Response:
         what = request.url.path.rsplit("/api/", 1)[-1].split("/")[0]

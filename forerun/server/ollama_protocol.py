@@ -118,6 +118,7 @@ class EmbedRequest(BaseModel):
     truncate: bool | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
+    dimensions: int | None = None
 
 
 def _typed(name: str, value: Any) -> Any:

@@ -85,6 +85,7 @@ class InputBatch:
             num_prompt_tokens=num_prompt,
             num_output_tokens=len(ids) - num_prompt,
             want_prompt_logprobs=new.want_prompt_logprobs,
+            pooling_params=new.pooling_params,
         )
         self.requests[new.req_id] = state
         self.sampling_state.init_slot(state)

@@ -22,6 +22,7 @@ from forerun.worker.input_batch import InputBatch
 from forerun.worker.model_step import ModelStep
 from forerun.worker.output_plan import DeferredOutput
 from forerun.worker.pipeline_stage import PipelineStage
+from forerun.worker.pooler import Pooler
 from forerun.worker.sampler import Sampler
 from forerun.worker.sampling_state import SamplingState
 from forerun.worker.spec_step import SpecDecodeStep
@@ -81,8 +82,11 @@ class ModelRunner:
         self.requests = self.input_batch.requests
         self.max_num_reqs = max_num_seqs
         self.last_sampled = self.input_batch.last_sampled
+        # Partial MEAN/CLS results between a pooling request's chunks (worker/pooler.py).
+        self.pooler = Pooler()
         local = ModelStep(model, self.kv_caches, self.requests, self.last_sampled,
-                          self.sampler, self.sampling_state, self.spec, self.tracer, device)
+                          self.sampler, self.sampling_state, self.spec, self.tracer, device,
+                          self.pooler)
         # The device half of every step; a subclass may swap it (worker/simulated.py).
         self.backend: StepBackend = local if pipeline is None else PipelineStage(pipeline, local)
         self._step: StepState | None = None
@@ -92,6 +96,7 @@ class ModelRunner:
         None (and an empty step left for sample_tokens) when it schedules nothing."""
         with self.tracer.span("prepare", WORKER_LANE, so.step_id):
             self.input_batch.update_states(so)
+            self.pooler.forget(so.finished_req_ids | so.preempted_req_ids)
             req_ids = list(so.num_scheduled_tokens)
             if not req_ids:
                 self._step = StepState([], [], None, None, so.step_id)

@@ -9,6 +9,7 @@ from forerun.model.attention import KVCache
 from forerun.trace import WORKER_LANE, Tracer
 from forerun.worker.grammar_bitmask import apply_grammar_bitmask
 from forerun.worker.output_plan import AsyncModelRunnerOutput, HostCopy, OutputPlan, make_output
+from forerun.worker.pooler import Pooler
 from forerun.worker.prompt_logprobs import prompt_logprobs
 from forerun.worker.request_state import CachedRequestState
 from forerun.worker.sampler import Sampler
@@ -26,7 +27,8 @@ class ModelStep:
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache],
                  requests: dict[str, CachedRequestState], last_sampled: torch.Tensor,
                  sampler: Sampler, sampling_state: SamplingState,
-                 spec: SpecDecodeStep | None, tracer: Tracer, device: torch.device) -> None:
+                 spec: SpecDecodeStep | None, tracer: Tracer, device: torch.device,
+                 pooler: Pooler | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.requests = requests
@@ -37,6 +39,7 @@ class ModelStep:
         self.tracer = tracer
         self.device = device
         self.host_copy = HostCopy(device)
+        self.pooler = pooler if pooler is not None else Pooler()
 
     def fill_placeholders(self, inputs: StepInputs, last_sampled: torch.Tensor) -> None:
         inputs.placeholders.fill(inputs.input_ids, last_sampled)
@@ -50,19 +53,23 @@ class ModelStep:
     def finish_forward(self, inputs: StepInputs, hidden: torch.Tensor, step_id: int
                        ) -> StepState:
         """What sampling needs from the last layer's hidden states: the logits of the rows
-        that sample and the prompt logprobs of the chunks that asked."""
+        that sample, the prompt logprobs of the chunks that asked, and the vectors of the
+        pooling requests whose prompt ended."""
         logits = (self.model.compute_logits(hidden[inputs.logits_rows])
                   if inputs.sample_req_ids else None)
         prompt_lps = prompt_logprobs(self.model, self.requests, inputs.num_tokens_of, hidden,
                                      self.device)
+        pooled = (self.pooler(hidden, inputs.pool_chunks, self.requests)
+                  if inputs.pool_chunks else [])
         return StepState(list(inputs.num_tokens_of), inputs.sample_req_ids,
-                         inputs.sample_slots, logits, step_id, prompt_lps, inputs.drafts)
+                         inputs.sample_slots, logits, step_id, prompt_lps, inputs.drafts,
+                         pooled)
 
     def sample(self, step: StepState, grammar_bitmask: object | None
                ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         if step.logits is None:
             plan = OutputPlan.of(step, None, self.requests, self.device)
-            if not plan.prompt_reqs:
+            if not plan.prompt_reqs and not plan.pool_reqs:
                 return make_output(step.req_ids, [], [])
             return self.host_copy.start(plan)
         with self.tracer.span("sample", WORKER_LANE, step.step_id):

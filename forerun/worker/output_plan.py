@@ -10,7 +10,7 @@ device-to-host sync.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -65,6 +65,7 @@ class OutputPlan:
     logprob_rows: list[tuple[str, int, int]]  # (req_id, row, top-N) of rows that asked
     prompt_reqs: list[tuple[str, int]]  # (req_id, start position) of prompt chunks
     tensors: list[torch.Tensor]
+    pool_reqs: list[str] = field(default_factory=list)  # pooled vectors, after the rest
 
     @classmethod
     def of(cls, step: StepState, out: SamplerOutput | None,
@@ -88,7 +89,9 @@ class OutputPlan:
         for chunk in step.prompt_logprobs:
             prompt_reqs.append((chunk.req_id, chunk.start))
             tensors += [chunk.ids, chunk.logprobs, chunk.ranks]
-        return cls(step.req_ids, sample_req_ids, rows, prompt_reqs, tensors)
+        pool_reqs = [req_id for req_id, _ in step.pooled]
+        tensors += [vec for _, vec in step.pooled]
+        return cls(step.req_ids, sample_req_ids, rows, prompt_reqs, tensors, pool_reqs)
 
     def build(self, host: list[list]) -> ModelRunnerOutput:
         """The output from the host values of ``tensors``, in the same order."""
@@ -105,6 +108,9 @@ class OutputPlan:
             i += 3
             out.prompt_logprobs[req_id] = PromptLogprobs(
                 start, [TokenLogprobs(a, b, r) for a, b, r in zip(ids, vals, ranks, strict=True)])
+        for req_id in self.pool_reqs:
+            out.pooler_output[req_id] = host[i]
+            i += 1
         return out
 
     def build_now(self) -> ModelRunnerOutput:

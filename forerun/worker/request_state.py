@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
 
 
@@ -40,3 +41,5 @@ class CachedRequestState:
     # How many drafts to propose next (adaptive: up after a fully accepted run, down after
     # a rejection); -1 until the request's first verification (then the configured K).
     num_draft_limit: int = -1
+    # A pooling request: its hidden states are pooled (worker/pooler.py), never sampled.
+    pooling_params: PoolingParams | None = None

@@ -80,9 +80,10 @@ class SpecDecodeStep:
             self._trace_acceptance(step.step_id, step.drafts, result.token_ids)
         if meta.max_num_logprobs is not None:
             self._draft_logprobs(out, states, logits, result.rows, result.token_ids)
-        if step.prompt_logprobs:
-            plan = OutputPlan.of(step, None, requests, self.device)
-            out.prompt_logprobs = plan.build_now().prompt_logprobs
+        if step.prompt_logprobs or step.pooled:
+            built = OutputPlan.of(step, None, requests, self.device).build_now()
+            out.prompt_logprobs = built.prompt_logprobs
+            out.pooler_output = built.pooler_output
         return out
 
     def _rows(self, states: list[CachedRequestState], drafts: list[list[int]]

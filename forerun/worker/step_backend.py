@@ -34,6 +34,9 @@ class StepState:
     # With a drafter: each sampling request's drafts verified this step (its logits rows
     # are len(drafts) + 1 consecutive rows).
     drafts: list[list[int]] | None = None
+    # Pooling requests that ended their prompt this step: (req_id, pooled vector on the
+    # device, float32).
+    pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 class StepBackend(Protocol):

@@ -36,6 +36,18 @@ class Placeholders:
 
 
 @dataclass(slots=True)
+class PoolChunk:
+    """One pooling request's positions in a step: flat rows ``row .. row + n - 1`` hold
+    its prompt positions ``start .. start + n - 1``; ``last`` when they end the prompt."""
+
+    req_id: str
+    row: int
+    n: int
+    start: int
+    last: bool
+
+
+@dataclass(slots=True)
 class StepInputs:
     """The flat inputs of one step, as :func:`prepare_inputs` builds them."""
 
@@ -48,6 +60,7 @@ class StepInputs:
     drafts: list[list[int]] | None  # with a drafter: per sampling request, its drafts
     num_tokens_of: dict[str, int]  # tokens computed per request (drafts found, not reserved)
     placeholders: Placeholders  # rows still 0 in input_ids until filled
+    pool_chunks: list[PoolChunk] = field(default_factory=list)  # pooling requests' rows
 
 
 def prepare_inputs(requests: dict[str, CachedRequestState], so: SchedulerOutput,
@@ -79,6 +92,7 @@ class _FlatBatch:
     sample_slots: list[int] = field(default_factory=list)
     num_tokens_of: dict[str, int] = field(default_factory=dict)
     placeholders: Placeholders = field(default_factory=Placeholders)
+    pool_chunks: list[PoolChunk] = field(default_factory=list)
 
     def add(self, state: CachedRequestState, n: int, num_spec: int, bs: int) -> None:
         """Append one request's ``n`` scheduled positions (``num_spec`` of them reserved
@@ -106,6 +120,9 @@ class _FlatBatch:
         self.seq_lens.append(end)
         self.tables.append(blocks)
         state.num_computed_tokens = end
+        if state.pooling_params is not None:  # pooled, never sampled
+            self.pool_chunks.append(PoolChunk(state.req_id, row0, n, start, end >= known))
+            return
         if end - len(drafts) >= known:  # reached the end of the sequence: this step samples
             self.logits_rows.extend(range(row0 + n - 1 - len(drafts), row0 + n))
             self.sample_req_ids.append(state.req_id)
@@ -154,4 +171,5 @@ class _FlatBatch:
             self.drafts,
             self.num_tokens_of,
             self.placeholders,
+            self.pool_chunks,
         )
