@@ -3,7 +3,7 @@
  *
  * The weight's parts (qweight.h) are taken in runs of one kernel family, each run computed
  * by its kernel into its own columns of y: the types held in row-interleaved tiles (Q4_0,
- * Q4_1, Q8_0, Q4_K, Q5_K) by quant_matmul.c, the other K-quants (Q2_K, Q3_K, Q6_K, IQ4_XS)
+ * Q4_1, Q8_0, MXFP4, Q4_K, Q5_K) by quant_matmul.c, the other K-quants (Q2_K, Q3_K, Q6_K, IQ4_XS)
  * by kquant_matmul.c, which reads the file's rows; Q6_K for many rows (prefill, batches) is
  * regrouped into tiles for the call and runs in quant_matmul.c too. A fused
  * projection whose parts come from both families (rare: some files keep one tensor in
@@ -24,7 +24,7 @@ enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q6_K = 14, QT_IQ4_XS = 23 }; /* ggml's typ
 #define Q6K_TILE_ROWS 32
 
 /* Whether kquant_matmul.c takes a part of this type (as the file's rows) in a matmul of m
- * rows: Q2_K, Q3_K, IQ4_XS always, Q6_K for few rows. The rest (Q4_0, Q4_1, Q8_0, and Q4_K,
+ * rows: Q2_K, Q3_K, IQ4_XS always, Q6_K for few rows. The rest (Q4_0, Q4_1, Q8_0, MXFP4, Q4_K,
  * Q5_K, and Q6_K for many rows, in tiles) are quant_matmul.c's. */
 static int is_kquant(int64_t type, int64_t m) {
     return type == QT_Q2_K || type == QT_Q3_K || type == QT_IQ4_XS ||

@@ -1,15 +1,21 @@
-/* y = x @ W.T (+ bias) with W in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1): the matmuls of
- * quantization="gguf" (CPU).
+/* y = x @ W.T (+ bias) with W in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, MXFP4): the
+ * matmuls of quantization="gguf" (CPU).
  *
  * The formats, per block of 32 values of a weight row:
  *   Q8_0: fp16 d, int8 q[32]              w = d * q
  *   Q4_0: fp16 d, uint8 qs[16]            w = d * (nibble - 8)
  *   Q4_1: fp16 d, fp16 m, uint8 qs[16]    w = d * nibble + m
+ *   MXFP4: uint8 e (E8M0), uint8 qs[16]   w = 2^(e - 128) * level[nibble]
  * (value j of a 4-bit block is the low nibble of qs[j], value 16 + j its high nibble).
+ * MXFP4's levels are its FP4 E2M1 values doubled (ggml's kvalues_mxfp4, -12..12; the scale
+ * halved to match); the kernels read them as u = level + 12 (0..24) with c = -12 d, so that
+ * they take the unsigned byte dot products of the other 4-bit types, one byte shuffle per 32
+ * nibbles looking the 16 values up.
  *
  * Layout in memory: the file's blocks, regrouped (same bytes, same bits) by 16 rows, so that
  * one 64-byte load feeds 16 output rows at once: a "tile" is block b of 16 consecutive rows,
- *   d of the 16 rows (16 x fp16), [Q4_1: m of the 16 rows], then the quants as lines of 64
+ *   d of the 16 rows (16 x fp16; MXFP4: their 16 exponent bytes), [Q4_1: m of the 16 rows],
+ *   then the quants as lines of 64
  *   bytes, line j holding bytes 4j..4j+3 of each row's qs in row order.
  * Tiles run block by block within a group of 16 rows, groups one after another; a last group
  * of fewer rows is padded with zero blocks. forerun/model/quant/gguf_blocks.py makes it
@@ -46,7 +52,21 @@
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13,
-       QT_Q6_K = 14 }; /* ggml's type ids */
+       QT_Q6_K = 14, QT_MXFP4 = 39 }; /* ggml's type ids */
+
+/* MXFP4's levels plus 12, by nibble (the doubled E2M1 values 0 .5 1 1.5 2 3 4 6, then their
+ * negatives), as the kernels' unsigned u. */
+static const uint8_t MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                    12, 11, 10, 9,  8,  6,  4,  0};
+#define MXFP4_OFFSET 12.f
+
+/* 2^(e - 128) (float32, exact; subnormal for e < 2): the scale of MXFP4's doubled levels. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
 
 
 static int64_t block_bytes(int64_t type) {
@@ -54,6 +74,7 @@ static int64_t block_bytes(int64_t type) {
     case QT_Q4_0: return 18;
     case QT_Q4_1: return 20;
     case QT_Q8_0: return 34;
+    case QT_MXFP4: return 17;
     case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;
     case QT_Q6_K: return 210;
@@ -62,7 +83,9 @@ static int64_t block_bytes(int64_t type) {
 }
 
 /* Bytes before the quant lines of a tile: the d (and m) of its 16 rows. */
-static inline int64_t tile_header(int64_t type) { return type == QT_Q4_1 ? 64 : 32; }
+static inline int64_t tile_header(int64_t type) {
+    return type == QT_Q4_1 ? 64 : type == QT_MXFP4 ? 16 : 32;
+}
 
 /* Values per block: 32, or 256 for the K-quants' super-blocks. */
 static inline int64_t block_values(int64_t type) {
@@ -104,18 +127,31 @@ static inline int32_t act4(const int8_t *a) { /* 4 activation bytes as one lane 
  * out[i][r] = row r of the group . activation row i. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ISA 3
+/* The 16 rows' MXFP4 scales 2^(e - 128) from their exponent bytes: 2^(e - 127) is the float
+ * with exponent field e (e = 0: the subnormal 2^-127 instead), halved exactly. */
+static inline __m512 e8m0_half16(const uint8_t *e) {
+    const __m512i e32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));
+    const __m512i bits = _mm512_mask_mov_epi32(
+        _mm512_slli_epi32(e32, 23), _mm512_cmpeq_epi32_mask(e32, _mm512_setzero_si512()),
+        _mm512_set1_epi32(0x00400000));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.5f));
+}
+
 static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
                        const float *sa, const float *ssa, int64_t k, int64_t m,
                        float out[MAXM][GR]) {
     const int64_t tb = GR * block_bytes(type), hdr = tile_header(type);
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
-    const __m512 cd = _mm512_set1_ps(type == QT_Q4_0 ? -8.f : -128.f);
+    const __m512i mxu = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_U));
+    const int mx = type == QT_MXFP4;
+    const __m512 cd = _mm512_set1_ps(type == QT_Q4_0 ? -8.f : mx ? -MXFP4_OFFSET : -128.f);
     __m512 acc[MAXM], cacc[MAXM];
     for (int64_t i = 0; i < m; ++i) acc[i] = cacc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *t = tiles + b * tb, *lines = t + hdr;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
-        /* c = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0: u = q + 128) */
+        const __m512 d = mx ? e8m0_half16(t)
+                            : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+        /* c = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0: u = q + 128), -12 d (MXFP4) */
         const __m512 c = type == QT_Q4_1
                              ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)))
                              : _mm512_mul_ps(d, cd);
@@ -137,8 +173,12 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
         } else {
             for (int j = 0; j < 4; ++j) {
                 const __m512i l = _mm512_loadu_si512((const void *)(lines + 64 * j));
-                const __m512i u0 = _mm512_and_si512(l, low4);
-                const __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), low4);
+                __m512i u0 = _mm512_and_si512(l, low4);
+                __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), low4);
+                if (mx) {
+                    u0 = _mm512_shuffle_epi8(mxu, u0);
+                    u1 = _mm512_shuffle_epi8(mxu, u1);
+                }
                 for (int64_t i = 0; i < m; ++i) {
                     const int8_t *a = qa + i * k + b * QK;
                     lo[i] = _mm512_dpbusd_epi32(lo[i], u0, _mm512_set1_epi32(act4(a + 4 * j)));
@@ -167,6 +207,15 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 #define DOT_U8S8(acc, u, a) \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)))
 #endif
+/* 8 rows' MXFP4 scales 2^(e - 128) from their exponent bytes: 2^(e - 127) is the float with
+ * exponent field e (e = 0: the subnormal 2^-127 instead), halved exactly. */
+static inline __m256 e8m0_half8(const uint8_t *e) {
+    const __m256i e32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    const __m256i zero = _mm256_and_si256(_mm256_cmpeq_epi32(e32, _mm256_setzero_si256()),
+                                          _mm256_set1_epi32(0x00400000));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(e32, 23), zero);
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f));
+}
 /* Eight rows per 256-bit vector: half h of a tile's 64-byte line holds rows 8h..8h+7. Both
  * halves in one pass over the blocks (two independent float chains per activation row);
  * m is a compile-time constant in each instance (see group_rows), so every accumulator
@@ -176,7 +225,9 @@ static inline __attribute__((always_inline)) void group_rows_m(
     const float *ssa, int64_t k, const int m, float out[MAXM][GR]) {
     const int64_t tb = GR * block_bytes(type), hdr = tile_header(type);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256 cd = _mm256_set1_ps(-8.f);
+    const __m256i mxu = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_U));
+    const int mx = type == QT_MXFP4;
+    const __m256 cd = _mm256_set1_ps(mx ? -MXFP4_OFFSET : -8.f);
     (void)ones; /* unused with VNNI */
     __m256 acc[2][MAXM];
     for (int h = 0; h < 2; ++h)
@@ -205,11 +256,11 @@ static inline __attribute__((always_inline)) void group_rows_m(
             }
         } else {
             /* Without VNNI the 8 byte-pair products of a block are summed in int16
-             * (8 * 2 * 15 * 127 < 32767) and widened by one madd. */
-#if ISA == 2
+             * (8 * 2 * 15 * 127 < 32767) and widened by one madd; MXFP4's u (<= 24) by two,
+             * four pairs each (4 * 2 * 24 * 127 < 32767). */
             for (int h = 0; h < 2; ++h)
                 for (int i = 0; i < m; ++i) dot[h][i] = _mm256_setzero_si256();
-#else
+#if ISA != 2
             __m256i s16[2][MAXM];
             for (int h = 0; h < 2; ++h)
                 for (int i = 0; i < m; ++i) s16[h][i] = _mm256_setzero_si256();
@@ -224,8 +275,12 @@ static inline __attribute__((always_inline)) void group_rows_m(
                 for (int h = 0; h < 2; ++h) {
                     const __m256i l =
                         _mm256_loadu_si256((const __m256i *)(lines + 64 * j + 32 * h));
-                    const __m256i u0 = _mm256_and_si256(l, low4);
-                    const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
+                    __m256i u0 = _mm256_and_si256(l, low4);
+                    __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
+                    if (mx) {
+                        u0 = _mm256_shuffle_epi8(mxu, u0);
+                        u1 = _mm256_shuffle_epi8(mxu, u1);
+                    }
                     for (int i = 0; i < m; ++i) {
 #if ISA == 2
                         dot[h][i] = DOT_U8S8(DOT_U8S8(dot[h][i], u0, alo[i]), u1, ahi[i]);
@@ -236,18 +291,25 @@ static inline __attribute__((always_inline)) void group_rows_m(
 #endif
                     }
                 }
-            }
 #if ISA != 2
-            for (int h = 0; h < 2; ++h)
-                for (int i = 0; i < m; ++i) dot[h][i] = _mm256_madd_epi16(s16[h][i], ones);
+                if (j % 2 == 1 && (mx || j == 3))
+                    for (int h = 0; h < 2; ++h)
+                        for (int i = 0; i < m; ++i) {
+                            dot[h][i] = _mm256_add_epi32(dot[h][i],
+                                                         _mm256_madd_epi16(s16[h][i], ones));
+                            s16[h][i] = _mm256_setzero_si256();
+                        }
 #endif
+            }
         }
         for (int h = 0; h < 2; ++h) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
+            const __m256 d =
+                mx ? e8m0_half8(t + 8 * h)
+                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
             __m256 c = _mm256_setzero_ps(); /* Q8_0 here: u = |q| with q's sign on a, c = 0 */
             if (type == QT_Q4_1)
                 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * h)));
-            else if (type == QT_Q4_0)
+            else if (type == QT_Q4_0 || mx)
                 c = _mm256_mul_ps(d, cd);
             for (int i = 0; i < m; ++i) {
                 acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][i]),
@@ -283,17 +345,19 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *t = tiles + b * tb, *lines = t + hdr;
         for (int r = 0; r < GR; ++r) {
-            const float d = fp16_to_f32(t + 2 * r);
+            const int mx = type == QT_MXFP4;
+            const float d = mx ? e8m0_half(t[r]) : fp16_to_f32(t + 2 * r);
             const float c = type == QT_Q4_1 ? fp16_to_f32(t + 32 + 2 * r)
-                                            : type == QT_Q4_0 ? -8.f * d : 0.f;
+                            : type == QT_Q4_0 ? -8.f * d
+                            : mx ? -MXFP4_OFFSET * d : 0.f;
             int32_t u[QK];
             if (type == QT_Q8_0) {
                 for (int j = 0; j < QK; ++j) u[j] = (int8_t)lines[64 * (j / 4) + 4 * r + j % 4];
             } else {
                 for (int j = 0; j < 16; ++j) {
                     const uint8_t byte = lines[64 * (j / 4) + 4 * r + j % 4];
-                    u[j] = byte & 0x0f;
-                    u[j + 16] = byte >> 4;
+                    u[j] = mx ? MXFP4_U[byte & 0x0f] : byte & 0x0f;
+                    u[j + 16] = mx ? MXFP4_U[byte >> 4] : byte >> 4;
                 }
             }
             for (int64_t i = 0; i < m; ++i) {

@@ -4,8 +4,8 @@
  *
  * Up to QW_MAXPARTS row ranges, rows concatenated, each in its own ggml block type: a fused
  * q/k/v or gate/up whose GGUF tensors differ in type keeps each part as it is. data[p] is
- * part p's bytes: the 32-value types, Q4_K and Q5_K regrouped in tiles of 16 rows
- * (quant_matmul.c), the other K-quants as the file's rows. */
+ * part p's bytes: the 32-value types (MXFP4 among them), Q4_K and Q5_K regrouped in tiles of
+ * 16 rows (quant_matmul.c), the other K-quants as the file's rows. */
 #ifndef FORERUN_QWEIGHT_H
 #define FORERUN_QWEIGHT_H
 #include <stdint.h>

@@ -1,10 +1,10 @@
 """Quantized weights (``quantization=`` at load): the block formats and their matmuls.
 
 - ``None``: the exact path, weights dequantized to the model's dtype.
-- ``"gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks (:mod:`.gguf_blocks`) and K-quant
-  Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks (:mod:`.kquant_blocks`) stay in
-  memory as they are in the file and the linear layers (and a tied output head) compute with
-  them
+- ``"gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / MXFP4 blocks (:mod:`.gguf_blocks`) and
+  K-quant Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks (:mod:`.kquant_blocks`)
+  stay in memory as they are in the file and the linear layers (and a tied output head)
+  compute with them
   (:mod:`forerun.model.quant.gguf_linear`); other tensor types load dequantized, and the log
   names them.
 - ``"int8"``: linear weights quantized at load to int8 per output channel, activations per

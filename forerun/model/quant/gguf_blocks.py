@@ -5,16 +5,23 @@ A weight row of ``k`` values is ``k / 32`` blocks, as stored in the file:
 - Q8_0 (34 bytes): fp16 ``d``, 32 int8 ``q``; ``w = d * q``.
 - Q4_0 (18 bytes): fp16 ``d``, 16 bytes of nibbles; ``w = d * (nibble - 8)``.
 - Q4_1 (20 bytes): fp16 ``d``, fp16 ``m``, 16 bytes of nibbles; ``w = d * nibble + m``.
+- MXFP4 (17 bytes; gpt-oss's experts): one E8M0 exponent byte ``e``, 16 bytes of nibbles,
+  each an FP4 E2M1 value (bit 3 the sign, then 0, .5, 1, 1.5, 2, 3, 4, 6). As ggml does, the
+  values are held doubled, as the integers :data:`MXFP4_LEVELS`, with the scale halved:
+  ``w = 2^(e - 128) * level[nibble]`` (``d = 2^(e - 128)``, exact in float32, a subnormal
+  for ``e < 2``).
 
 Value ``j < 16`` of a 4-bit block is the low nibble of byte ``j``, value ``16 + j`` its high
 nibble. Every type is written here as ``w = d * u + c`` per block (``u`` a small integer per
 value, ``d`` and ``c`` per block), which is how the C kernel (``csrc/quant_matmul.c``) treats
-them too.
+them too (MXFP4's ``u`` is its signed level here, ``c = 0``; the C kernel reads it as
+``level + 12`` with ``c = -12 d``, unsigned for its byte dot products).
 
 In memory the blocks are regrouped by 16 rows (:func:`repack_tiles`; same bytes, same
 bits): a tile is one block column of 16 consecutive rows, the 16 ``d`` (and ``m``) first,
 then the quants as lines of 64 bytes, line ``j`` holding bytes ``4j..4j+3`` of each row's
-quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmul.c``).
+quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmul.c``);
+MXFP4's header is the 16 exponent bytes.
 Q4_K's and Q5_K's 256-value super-blocks (:mod:`forerun.model.quant.kquant_blocks`) are held
 in the same kind of tile: the 16 ``d``, the 16 ``dmin``, the 12 scale bytes as 12 lines of
 16, then (Q5_K's ``qh`` and) the quants in lines of 64 bytes (:data:`TILED_TYPES`).
@@ -35,9 +42,11 @@ from __future__ import annotations
 import torch
 
 QK = 32
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType values)
-BLOCK_BYTES: dict[int, int] = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+Q4_0, Q4_1, Q8_0, MXFP4 = 2, 3, 8, 39  # ggml's type ids (gguf.GGMLQuantizationType values)
+BLOCK_BYTES: dict[int, int] = {Q4_0: 18, Q4_1: 20, Q8_0: 34, MXFP4: 17}
+TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", MXFP4: "MXFP4"}
+# MXFP4's 16 FP4 E2M1 values, doubled (ggml's kvalues_mxfp4): nibble 8 is -0.
+MXFP4_LEVELS: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 GROUP = 16  # rows per tile
@@ -60,6 +69,9 @@ def _tile_map(qtype: int) -> torch.Tensor:
         elif qtype == Q4_1:
             out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
             off, head = 4, 64
+        elif qtype == MXFP4:  # one exponent byte per row
+            out[r, 0] = r
+            off, head = 1, 16
         else:
             off, head = 2, 32
         q = torch.arange(bs - off)
@@ -117,12 +129,31 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """float32 ``2^(e - 128)`` of E8M0 exponent bytes ``e`` (uint8): ``2^(e - 127)`` halved,
+    the scale of MXFP4's doubled levels, exactly (subnormal for ``e < 2``, as ggml's
+    ``ggml_e8m0_to_fp32_half``)."""
+    e = e.to(torch.int32)
+    # e >= 2: the float whose exponent field is e - 1; else the subnormal 2^-128 << e.
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4_levels(device: torch.device) -> torch.Tensor:
+    return torch.tensor(MXFP4_LEVELS, dtype=torch.float32, device=device)
+
+
 def unpack_blocks(qtype: int, raw: torch.Tensor, k: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(u, d, c)`` of rows ``raw`` ``[n, row_bytes]`` uint8: ``u`` float32 ``[n, k/32, 32]``
     (integers), ``d`` and ``c`` float32 ``[n, k/32]``, with ``w = d * u + c``."""
     n = raw.shape[0]
     blocks = raw.reshape(n, k // QK, BLOCK_BYTES[qtype])
+    if qtype == MXFP4:
+        qs = blocks[..., 1:].to(torch.int64)
+        u = _mxfp4_levels(raw.device)[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]
+        d = e8m0_half(blocks[..., 0])
+        return u, d, torch.zeros_like(d)
     d = _fp16(blocks[..., 0:2])
     if qtype == Q8_0:
         u = blocks[..., 2:].contiguous().view(torch.int8).float()

@@ -5,8 +5,8 @@ A GGUF stacks a layer's experts (``ffn_{gate,up,down}_exps``: every expert's row
 another), so expert ``e`` of a projection with ``n`` rows per expert is rows
 ``e * n .. (e + 1) * n`` of the stacked tensor: each expert becomes a
 :class:`~forerun.model.quant.gguf_linear.GGUFLinear` over its own rows (gate and up as the two
-parts of one fused linear, whatever their types), and the layer's stacked float weights are
-never allocated.
+parts of one fused linear, whatever their types: gpt-oss's are MXFP4), and the layer's
+stacked float weights are never allocated.
 """
 
 from __future__ import annotations
