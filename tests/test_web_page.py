@@ -184,7 +184,7 @@ def test_a_typed_question_streams_the_answer_of_a_direct_call(
 def test_stop_aborts_the_stream_and_the_server_frees_everything(
         browser: Any, server: ServerHandle) -> None:
     browser.find_element("id", "clear").click()
-    _type(browser, "temperature", "0.8")
+    _type(browser, "temperature", "0")  # greedy: the same long story every run
     _type(browser, "max-tokens", "1500")
     _type(browser, "prompt", "Write a very long story about a lighthouse keeper.\n")
     _until(lambda: len(browser.execute_script(LAST_ANSWER)) > 10, timeout_s=60)

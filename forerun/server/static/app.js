@@ -8,7 +8,8 @@ const COLORS = {
   schedule: "#4e79a7", update: "#59a14f", output: "#9c755f", deferred_sample_wait: "#bab0ac",
   prepare: "#edc948", forward: "#e15759", sample: "#f28e2b",
 };
-const ENGINE_NAMES = ["schedule", "update", "output", "deferred_sample_wait"];
+// "output" is the offline engine's span: a server never shows it.
+const ENGINE_NAMES = ["schedule", "update", "deferred_sample_wait"];
 const WORKER_NAMES = ["prepare", "forward", "sample"];
 
 // What the page shows, readable from outside (tests, the console): window.forerun.
