@@ -222,7 +222,13 @@ def test_the_dashboard_moves_while_a_load_runs(browser: Any, server: ServerHandl
             " && d.spansDrawn.worker > 0 && d.workerBusy > 0 ? {...d, shown: {"
             "running: t('running').textContent, gen: t('gen-tps').textContent,"
             "worker: t('timeline').dataset.workerSpans}} : null;"), timeout_s=60)
-        view = httpx.get(f"{server.base_url}/forerun/engine", timeout=30).json()
+
+        def both_lanes() -> dict[str, Any] | None:
+            got = httpx.get(f"{server.base_url}/forerun/engine", timeout=30).json()
+            lanes = {s[1] for s in got["spans"]}
+            return got if {ENGINE_LANE, WORKER_LANE} <= lanes else None
+
+        view = _until(both_lanes, timeout_s=30, poll_s=0.2)
     finally:
         done.set()
         for t in load:
@@ -232,7 +238,23 @@ def test_the_dashboard_moves_while_a_load_runs(browser: Any, server: ServerHandl
                              "gen": f"{seen['genTps']:.1f}",
                              "worker": str(seen["spansDrawn"]["worker"])}
     names = {(s[0], s[1]) for s in view["spans"]}
-    assert {("schedule", ENGINE_LANE), ("forward", WORKER_LANE),
-            ("sample", WORKER_LANE)} <= names
+    assert names <= {("schedule", ENGINE_LANE), ("update", ENGINE_LANE),
+                     ("deferred_sample_wait", ENGINE_LANE), ("prepare", WORKER_LANE),
+                     ("forward", WORKER_LANE), ("sample", WORKER_LANE)}
     assert all(-view["window_s"] - 1 <= s[2] <= s[3] <= 0 for s in view["spans"])
     assert _console_errors(browser) == []
+
+
+def test_a_refused_request_shows_the_api_error_naming_the_field(browser: Any) -> None:
+    browser.find_element("id", "clear").click()
+    _type(browser, "max-tokens", "0")
+    _type(browser, "prompt", QUESTION + "\n")
+    shown = _until(lambda: browser.execute_script(
+        "const m = document.querySelector('.msg.error'); return m && m.textContent;"),
+        timeout_s=30)
+    assert "max_tokens" in shown
+    assert not _chat(browser)["streaming"]
+    # The browser reports the 400 itself; nothing else went wrong.
+    errors = _console_errors(browser)
+    assert len(errors) == 1 and "status of 400" in errors[0]["message"], errors
+    _type(browser, "max-tokens", "16")

@@ -78,7 +78,7 @@ async function send(text) {
                         stopped: false });
   setBusy(true);
   const start = performance.now();
-  let first = 0, last = 0, usageTokens = null;
+  let first = 0, last = 0, usageTokens = null, failed = false;
   try {
     const resp = await fetch("v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
@@ -126,11 +126,14 @@ async function send(text) {
       chat.stopped = true;
       note(div, "(stopped)");
     } else {
+      failed = true;
       div.className = "msg error";
       out.textContent += (out.textContent ? "\n" : "") + String(err.message || err);
     }
   } finally {
-    conversation.push({ role: "assistant", content: out.textContent });
+    // A failed turn leaves the conversation as it was, so the question can be asked again.
+    if (failed) conversation.pop();
+    else conversation.push({ role: "assistant", content: out.textContent });
     controller = null;
     chat.streaming = false;
     setBusy(false);
