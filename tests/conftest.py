@@ -3,7 +3,11 @@ to build, so the session builds each configuration once."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +50,46 @@ def gguf_paths(gguf_variants: dict[str, Any]) -> list[tuple[str, Any]]:
     return [*gguf_variants.items(), ("torch", None)]
 
 
+_GGUF_READERS: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def _transformers_gguf_memoized() -> Iterator[None]:
+    """While transformers reads the default GGUF, give it one ``gguf.GGUFReader`` per file
+    for the session and one tensor-name map per (architecture, layers).
+
+    transformers parses the file once for the config and again for the weights (and once
+    more for the tokenizer), and builds the name map once per tensor: together over 20 s
+    of the oracle's setup on a 2-core CPU. Both are pure functions of their arguments over
+    a file nobody writes, so the numbers transformers computes are unchanged."""
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        if mode != "r":
+            return real_reader(path, mode)
+        key = os.path.realpath(path)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real_reader(path)
+        return _GGUF_READERS[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.cache(real_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
     """transformers' tokenizer read from the default GGUF (a few seconds to build), once per
     session; tests only encode, decode and render templates with it, never change it."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+    with _transformers_gguf_memoized():
+        return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +97,9 @@ def hf_smollm2(smollm2_tokenizer: Any) -> tuple[Any, Any]:
     """transformers' own model and tokenizer for the same GGUF, float32: the oracle."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF,
-                                                 dtype=torch.float32).eval()
+    with _transformers_gguf_memoized():
+        model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF,
+                                                     dtype=torch.float32).eval()
     return model, smollm2_tokenizer
 
 

@@ -240,8 +240,13 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_scaling(tmp_path: Path) -> None:
-    cfg = {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}}
-    with pytest.raises(ModelLoadError, match="yarn"):
+    cfg = {**COMMON, "architectures": ["LlamaForCausalLM"],
+           "rope_scaling": {"rope_type": "proportional"}}
+    with pytest.raises(ModelLoadError, match="proportional"):
+        ModelConfig.from_hf_dict(cfg)
+    # A supported type without the parameters it needs is named with the missing key.
+    cfg["rope_scaling"] = {"rope_type": "yarn"}
+    with pytest.raises(ModelLoadError, match="yarn rope scaling needs 'factor'"):
         ModelConfig.from_hf_dict(cfg)
 
 

@@ -83,6 +83,10 @@ class VocabParallelHead(nn.Module):
 
 def check_tensor_parallel(config, size: int, expert_parallel: bool = False) -> None:
     """Refuse sizes the model cannot be split by, naming the flag."""
+    if size > 1 and config.architecture == "Olmo2ForCausalLM":
+        # Its q/k norm spans all heads: a rank's share would need the others' to normalise.
+        raise ValueError("tensor_parallel_size > 1 does not run Olmo2ForCausalLM (q/k norm "
+                         "over the whole projection); use tensor_parallel_size=1")
     checks = [("num_attention_heads", config.num_attention_heads),
               ("num_key_value_heads", config.num_key_value_heads)]
     if not all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):

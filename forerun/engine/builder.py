@@ -38,7 +38,9 @@ _TOKENIZERS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary
 
 def shared_model(info: ModelInfo, dtype: torch.dtype, device: torch.device,
                  quantization: str | None = None) -> torch.nn.Module:
-    key = (str(info.source.path), info.source.gguf_file, dtype, str(device), quantization)
+    # longrope models rotate by one of two factor sets, chosen by the engine's context.
+    key = (str(info.source.path), info.source.gguf_file, dtype, str(device), quantization,
+           info.model_config.uses_long_rope_factors())
     model = _MODELS.get(key)
     if model is None:
         model = load_model(info.source, info.model_config, dtype, device, quantization)

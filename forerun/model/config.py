@@ -17,10 +17,24 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 
-# Rope types whose inverse frequencies we know how to compute (see rotary.py).
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+# Rope types whose inverse frequencies we know how to compute (see rotary.py); "su" is
+# Phi-3's first name for longrope.
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = (
+    "default", "linear", "dynamic", "yarn", "llama3", "longrope", "su")
+# Types whose ``original_max_position_embeddings`` transformers fills in when a config
+# leaves it out (the top-level one first, as Phi-3 keeps it, else max_position_embeddings).
+_ORIGINAL_CONTEXT_TYPES = ("yarn", "longrope")
+# The parameters each type cannot do without (a GGUF's llama3 carries its factors instead).
+_ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "llama3": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+}
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -50,11 +64,51 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                 f"unsupported rope scaling type {rope_type!r}; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        rope_type = "longrope" if rope_type == "su" else rope_type
+        for key in ("type", "rope_theta", "partial_rotary_factor"):
+            scaling.pop(key, None)
         if rope_type == "default" and scaling.get("freq_factors") is None:
             scaling = None
         else:
             scaling["rope_type"] = rope_type
+        for key in _ROPE_REQUIRED.get(rope_type, ()):
+            if scaling.get(key) is None and not (
+                    rope_type == "llama3" and scaling.get("freq_factors") is not None):
+                raise ModelLoadError(f"{rope_type} rope scaling needs {key!r}")
+        if rope_type in _ORIGINAL_CONTEXT_TYPES:
+            original = (d.get("original_max_position_embeddings")
+                        or scaling.get("original_max_position_embeddings")
+                        or d.get("max_position_embeddings") or 2048)
+            scaling["original_max_position_embeddings"] = int(original)
     return float(theta), scaling
+
+
+def _rotary_dim(d: dict[str, Any], head_dim: int) -> int:
+    """How many of a head's dimensions rotate: ``partial_rotary_factor`` of them (Phi-4-mini:
+    0.75), top level or inside ``rope_parameters``; a GGUF states the count itself."""
+    factor = d.get("partial_rotary_factor")
+    if factor is None:
+        factor = (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    dim = int(d["rotary_dim"]) if d.get("rotary_dim") else int(head_dim * float(factor))
+    if not 2 <= dim <= head_dim or dim % 2:
+        raise ModelLoadError(f"{dim} rotary dimensions (partial_rotary_factor {factor}) of "
+                             f"head_dim {head_dim}; need an even number in 2..{head_dim}")
+    return dim
+
+
+def _nope_layers(arch: str, d: dict[str, Any], layers: int) -> list[int]:
+    """The layers that apply no rotary embedding (SmolLM3). Its ``no_rope_layers`` has one
+    entry per layer, 1 where the layer *uses* rope (transformers' ``use_rope``); without it,
+    every ``no_rope_layer_interval``-th layer (4 by default) is a NoPE layer."""
+    if arch != "SmolLM3ForCausalLM":
+        return []
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval") or 4)
+        return [i for i in range(layers) if (i + 1) % interval == 0]
+    if len(flags) != layers:
+        raise ModelLoadError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
+    return [i for i, use_rope in enumerate(flags) if not use_rope]
 
 
 def _check_freq_factors(scaling: dict[str, Any] | None, head_dim: int) -> None:
@@ -103,6 +157,16 @@ def _moe_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             "mlp_only_layers": _as_id_list(d.get("mlp_only_layers"))}
 
 
+def _granite_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars (transformers' defaults where the config omits one)."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    return {"embedding_multiplier": float(d.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(d.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(d.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(d.get("logits_scaling", 1.0))}
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """The hyper-parameters forerun needs to build and run a model, independent of file format."""
@@ -141,6 +205,35 @@ class ModelConfig:
     # attends to the last ``sliding_window`` positions, its own included.
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
+    # Rotary: the leading ``rotary_dim`` dimensions of each head rotate (0: all of
+    # head_dim); layers in ``nope_layers`` apply none (SmolLM3's NoPE layers).
+    rotary_dim: int = 0
+    nope_layers: list[int] = field(default_factory=list)
+    # Granite's scalars: embeddings times ``embedding_multiplier``, each block's attention
+    # and MLP output times ``residual_multiplier`` before its residual add, attention scores
+    # times ``attention_multiplier`` (None: head_dim ** -0.5), logits divided by
+    # ``logits_scaling``.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # The engine's context length (forerun/model/info.py sets it; None: max_position_
+    # embeddings). longrope picks its factor set by it, as vLLM does.
+    max_model_len: int | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dimensions of each head the rotary embedding turns."""
+        return self.rotary_dim or self.head_dim
+
+    def uses_long_rope_factors(self) -> bool | None:
+        """longrope: whether the long factors apply (the context is longer than the one
+        the model was pretrained at); None for other rope types."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        context = self.max_model_len or self.max_position_embeddings
+        return context > int(scaling["original_max_position_embeddings"])
 
     def layer_window(self, layer: int) -> int | None:
         """How many positions decoder layer ``layer`` attends to (its own included), or
@@ -177,6 +270,14 @@ class ModelConfig:
             )
         if d.get("use_sliding_window"):
             raise ModelLoadError(f"{arch} with use_sliding_window=true is not supported")
+        window = d.get("sliding_window")
+        if arch == "Phi3ForCausalLM" and window and int(window) < int(
+                d.get("max_position_embeddings") or 2048):
+            # Phi-3-mini-4k's window of 2047; sliding-window layers are not read yet.
+            raise ModelLoadError(f"{arch} with sliding_window={window} (shorter than "
+                                 "max_position_embeddings) is not supported yet")
+        if d.get("mlp_bias"):
+            raise ModelLoadError(f"{arch} with mlp_bias=true is not supported")
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         head_dim = int(d.get("head_dim") or hidden // heads)
@@ -185,6 +286,8 @@ class ModelConfig:
         # Qwen2 always has q/k/v biases; its config does not say so.
         attention_bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias"))
         moe = _moe_settings(arch, d)
+        layers = int(d["num_hidden_layers"])
+        rotary_dim = _rotary_dim(d, head_dim)
         eos = _as_id_list((generation_config or {}).get("eos_token_id"))
         if not eos:
             eos = _as_id_list(d.get("eos_token_id"))
@@ -192,7 +295,7 @@ class ModelConfig:
             architecture=arch,
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=head_dim,
@@ -206,5 +309,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             rope_scaling=scaling,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            nope_layers=_nope_layers(arch, d, layers),
+            **_granite_settings(arch, d),
             **moe,
         )

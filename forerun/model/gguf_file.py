@@ -25,7 +25,13 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
+# Architectures whose converter (llama.cpp's LlamaModel) interleaves Q/K rows.
+_PERMUTED_ARCHS = frozenset({"llama", "granite", "smollm3"})
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
@@ -50,19 +56,35 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # Phi-3's fused q/k/v; OLMo 2's norms after the attention and MLP blocks.
+    "attn_qkv": "self_attn.qkv_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Per architecture, block tensors whose Hugging Face name differs from _BLOCK_NAMES': Phi-3's
+# ffn_up holds gate and up rows (gate first), as its checkpoints' gate_up_proj.
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 # Tensors that are hyper-parameters rather than weights: gguf_hf_config reads them.
 _ROPE_FREQS = "rope_freqs.weight"
-_CONFIG_TENSORS = frozenset({_ROPE_FREQS})
+# LongRoPE's two factor sets (Phi-3 128k files).
+_ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+_CONFIG_TENSORS = frozenset({_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT})
 
 # The Llama 3 family's end-of-generation tokens. Its GGUFs name one of them as eos (and
 # rarely an eot or eom id) while the Hugging Face folder's generation_config stops on all
 # three and llama.cpp recognises them by their text; matching the text (control tokens only)
 # gives a GGUF the same stops.
 _LLAMA3_STOP_TEXTS = frozenset({"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"})
+# The same for the other families whose chat turns end on a token other than eos: Phi-3's
+# generation_config stops on <|end|> and <|endoftext|>, SmolLM3's on <|im_end|>.
+_STOP_TEXTS: dict[str, frozenset[str]] = {
+    "llama": _LLAMA3_STOP_TEXTS,
+    "phi3": frozenset({"<|end|>", "<|endoftext|>"}),
+    "smollm3": frozenset({"<|im_end|>", "<|end_of_text|>"}),
+}
 _CONTROL_TOKEN = 3  # llama.cpp's token type of special tokens
 
 
@@ -155,19 +177,24 @@ def _rope_freq_factors(reader: GGUFReader) -> list[float] | None:
     instead of the scaling parameters, and llama.cpp divides each pair's angle by it. Using
     the numbers themselves is exact for any file, whatever parameters produced them.
     """
-    t = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    return _vector_tensor(reader, _ROPE_FREQS)
+
+
+def _vector_tensor(reader: GGUFReader, name: str) -> list[float] | None:
+    """A 1-D tensor's values as floats (None if the file lacks it)."""
+    t = next((t for t in reader.tensors if t.name == name), None)
     if t is None:
         return None
     try:
         arr = dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float32)
     except Exception as exc:
-        raise ModelLoadError(f"could not read tensor {_ROPE_FREQS}: {exc}") from exc
+        raise ModelLoadError(f"could not read tensor {name}: {exc}") from exc
     # float32 -> Python float is exact, and so is the JSON round trip of the config cache.
     return [float(v) for v in arr]
 
 
-def _stop_token_ids(reader: GGUFReader) -> list[int]:
-    """eos, then end-of-turn / end-of-message and the Llama 3 stop tokens, without repeats."""
+def _stop_token_ids(reader: GGUFReader, arch: str) -> list[int]:
+    """eos, then end-of-turn / end-of-message and the family's stop tokens, no repeats."""
     ids = [
         int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"),
                          _field(reader, "tokenizer.ggml.eot_token_id"),
@@ -175,12 +202,14 @@ def _stop_token_ids(reader: GGUFReader) -> list[int]:
     ]
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     types = reader.fields.get("tokenizer.ggml.token_type")
-    if tokens is not None and types is not None and len(types.data) == len(tokens.data):
+    stop_texts = _STOP_TEXTS.get(arch, _LLAMA3_STOP_TEXTS)
+    if (stop_texts and tokens is not None and types is not None
+            and len(types.data) == len(tokens.data)):
         kinds = np.array(types.contents())
         # Only control tokens are decoded: a few hundred strings, not the whole vocabulary.
         for i in np.flatnonzero(kinds == _CONTROL_TOKEN):
             text = bytes(tokens.parts[tokens.data[int(i)]]).decode("utf-8", errors="replace")
-            if text in _LLAMA3_STOP_TEXTS:
+            if text in stop_texts:
                 ids.append(int(i))
     return list(dict.fromkeys(ids))
 
@@ -200,15 +229,8 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     heads = int(key("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else key("vocab_size")
-    scaling_type = key("rope.scaling.type")
-    rope_scaling = None
-    if scaling_type not in (None, "none"):
-        rope_scaling = {"rope_type": scaling_type, "factor": key("rope.scaling.factor")}
-    factors = _rope_freq_factors(reader)
-    if factors is not None:
-        # With no scaling type in the metadata the factors are the llama3 rescaling itself;
-        # with one (linear), llama.cpp applies both, and so does rotary.py.
-        rope_scaling = {**(rope_scaling or {"rope_type": "llama3"}), "freq_factors": factors}
+    rope_scaling = _rope_scaling(reader, arch)
+    head_dim = int(key("attention.key_length", hidden // heads))
     return {
         "architectures": [hf_arch],
         "hidden_size": hidden,
@@ -216,7 +238,8 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
+        "rotary_dim": int(key("rope.dimension_count", head_dim)),
         "vocab_size": int(vocab),
         "max_position_embeddings": int(key("context_length", 2048)),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
@@ -224,11 +247,72 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         # Chat models stop on end-of-turn as well as end-of-text.
-        "eos_token_id": _stop_token_ids(reader),
+        "eos_token_id": _stop_token_ids(reader, arch),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "rope_scaling": rope_scaling,
+        # Phi-3-mini-4k's window (0 in Phi-4 files): ModelConfig refuses a short one.
+        **({"sliding_window": key("attention.sliding_window") or None}
+           if arch == "phi3" else {}),
+        **_granite_config(reader, arch),
         **_moe_config(reader, arch, hf_arch),
     }
+
+
+def _granite_config(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """Granite's multipliers, under llama.cpp's ``*_scale`` names."""
+    if arch != "granite":
+        return {}
+    keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+            "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+    out = {}
+    for name, gguf_key in keys.items():
+        value = _field(reader, f"{arch}.{gguf_key}")
+        if value is not None:
+            out[name] = float(value)
+    if not out.get("attention_multiplier"):
+        # llama.cpp's reading of a missing (or zero) attention.scale: 1 / sqrt(head_dim).
+        heads = int(_field(reader, f"{arch}.attention.head_count"))
+        head_dim = _field(reader, f"{arch}.attention.key_length") or int(
+            _field(reader, f"{arch}.embedding_length")) // heads
+        out["attention_multiplier"] = float(head_dim) ** -0.5
+    return out
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    """``rope_scaling`` from the ``{arch}.rope.scaling.*`` keys and the rope tensors:
+    linear and yarn from the keys; longrope from ``rope_factors_long/short`` (Phi-3's
+    converter writes no type for it); ``rope_freqs`` as ``freq_factors``."""
+
+    def key(name: str) -> Any:
+        return _field(reader, f"{arch}.rope.scaling.{name}")
+
+    scaling_type = key("type")
+    rope_scaling: dict[str, Any] | None = None
+    original = key("original_context_length")
+    long, short = _vector_tensor(reader, _ROPE_LONG), _vector_tensor(reader, _ROPE_SHORT)
+    if long is not None or short is not None:
+        if long is None or short is None:
+            raise ModelLoadError(f"GGUF has only one of {_ROPE_LONG} and {_ROPE_SHORT}")
+        rope_scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                        "original_max_position_embeddings": original}
+        if key("attn_factor") is not None:
+            rope_scaling["attention_factor"] = float(key("attn_factor"))
+    elif scaling_type == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": key("factor"),
+                        "original_max_position_embeddings": original}
+        for name, gguf_name in (("attention_factor", "yarn_attn_factor"),
+                                ("beta_fast", "yarn_beta_fast"),
+                                ("beta_slow", "yarn_beta_slow")):
+            if key(gguf_name) is not None:
+                rope_scaling[name] = float(key(gguf_name))
+    elif scaling_type not in (None, "none"):
+        rope_scaling = {"rope_type": scaling_type, "factor": key("factor")}
+    factors = _rope_freq_factors(reader)
+    if factors is not None:
+        # With no scaling type in the metadata the factors are the llama3 rescaling itself;
+        # with one (linear), llama.cpp applies both, and so does rotary.py.
+        rope_scaling = {**(rope_scaling or {"rope_type": "llama3"}), "freq_factors": factors}
+    return rope_scaling
 
 
 def gguf_chat_template(reader: GGUFReader) -> str | None:
@@ -236,14 +320,17 @@ def gguf_chat_template(reader: GGUFReader) -> str | None:
     return _field(reader, "tokenizer.chat_template")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    name = _ARCH_BLOCK_NAMES.get(arch, {}).get(m.group(2)) or _BLOCK_NAMES.get(m.group(2))
+    if name is None:
+        return None
+    return f"model.layers.{m.group(1)}.{name}.{m.group(3)}"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -255,10 +342,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _unpermute_rows(arr: np.ndarray, name: str, arch: str, heads: int, kv_heads: int
                     ) -> np.ndarray:
-    # Only llama-arch conversions permute Q/K rows; qwen2/qwen3 converters keep HF order.
-    if arch == "llama" and ".q_proj." in name:
+    # Only llama-style conversions permute Q/K rows; qwen2/qwen3, phi3 (fused) and olmo2
+    # converters keep Hugging Face order.
+    if arch in _PERMUTED_ARCHS and ".q_proj." in name:
         return _unpermute(arr, heads)
-    if arch == "llama" and ".k_proj." in name:
+    if arch in _PERMUTED_ARCHS and ".k_proj." in name:
         return _unpermute(arr, kv_heads)
     return arr
 
@@ -277,7 +365,7 @@ def gguf_raw_blocks(reader: GGUFReader, types: set[int]
     arch, _ = _architecture(reader)
     heads, kv_heads = _head_counts(reader, arch)
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         stacked = len(t.shape) == 3 and name is not None and ".experts." in name
         if name is None or int(t.tensor_type) not in types or not (
                 len(t.shape) == 2 or stacked):
@@ -300,7 +388,7 @@ def gguf_weights(reader: GGUFReader, path: Path, skip: frozenset[str] = frozense
     for t in reader.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             logger.warning("ignoring unknown GGUF tensor %s", t.name)
             continue

@@ -85,6 +85,8 @@ def resolve_model_info(config: EngineConfig) -> ModelInfo:
         raise ValueError(
             f"max_model_len {max_model_len} is larger than the model's "
             f"{mc.max_position_embeddings}")
+    # longrope's factor set follows the context the engine serves (rotary.py).
+    mc.max_model_len = max_model_len
     tokenizer = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
     return ModelInfo(source, mc, max_model_len, mc.vocab_size, list(mc.eos_token_ids),
                      tokenizer)

@@ -1,8 +1,12 @@
-"""Llama-family decoder (also the base of Qwen2 and Qwen3, which differ only by flags)."""
+"""Llama-family decoder: the base of every dense and MoE family here, which differ from it
+only by options (class attributes and ModelConfig fields): q/k norm per head (Qwen3) or over
+the whole projection (OLMo 2), norms before (Llama) or after (OLMo 2) each block, Granite's
+multipliers, partial rotary and NoPE layers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -16,24 +20,35 @@ from forerun.model.packed_linear import PackedLinear, prepack_linears
 from forerun.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary
 from forerun.model.small_batch import SmallBatchStack
 
+# Where a layer's q/k RMSNorm applies: per head over head_dim (Qwen3), or over the whole
+# q and k projections before they split into heads (OLMo 2); None: no q/k norm.
+QKNorm = Literal["head", "full"] | None
+
 
 class DecoderAttention(nn.Module):
-    """Self-attention with fused q/k/v projection, optional per-head q/k norm, paged cache."""
+    """Self-attention with fused q/k/v projection, optional q/k norm, paged cache."""
 
-    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
+                 layer: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.attention_multiplier if config.attention_multiplier is not None
+                      else self.head_dim**-0.5)
+        # SmolLM3's NoPE layers attend without positions.
+        self.use_rope = layer not in config.nope_layers
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.qk_norm = qk_norm
+        q_dim, k_dim = ((self.q_size, self.kv_size) if qk_norm == "full"
+                        else (self.head_dim, self.head_dim))
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -44,14 +59,17 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "full" and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, rotary)
-        k = apply_rotary(k, rotary)
+        if self.use_rope:
+            q = apply_rotary(q, rotary)
+            k = apply_rotary(k, rotary)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 
@@ -59,13 +77,15 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: attention and gated MLP, each with a residual."""
 
-    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool,
-                 mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
+                 mlp: nn.Module, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, o_proj_bias, qk_norm)
+        self.self_attn = DecoderAttention(config, o_proj_bias, qk_norm, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+        # Granite scales each block's output before its residual add.
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -83,15 +103,50 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
         h = self.self_attn(h, rotary, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
+        return h, residual
+
+
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's block: no norm before attention or the MLP; each one's output is normed
+    (``post_attention_layernorm``, ``post_feedforward_layernorm``) before its residual add."""
+
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
+                 mlp: nn.Module, layer: int = 0) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, o_proj_bias, qk_norm, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryTables,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as :meth:`DecoderLayer.forward`: returns the normed MLP output and
+        the residual it is still to be added to."""
+        hidden = x if residual is None else x + residual
+        h = self.post_attention_layernorm(self.self_attn(hidden, rotary, kv_cache, meta))
+        hidden = hidden + h
+        return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
 
 
 class DecoderStack(nn.Module):
     """Embedding, the decoder layers and the final norm (``model.*`` in checkpoints)."""
 
-    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool,
-                 make_mlp: Callable[[int], nn.Module]) -> None:
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
+                 make_mlp: Callable[[int], nn.Module],
+                 layer_cls: type[DecoderLayer] | type[PostNormDecoderLayer] = DecoderLayer
+                 ) -> None:
         super().__init__()
         # An explicit (empty) weight skips nn.Embedding's random init: on the meta device
         # that init imports torch._dynamo, 2-3 s of every process's model load.
@@ -99,7 +154,7 @@ class DecoderStack(nn.Module):
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, o_proj_bias, qk_norm, make_mlp(i))
+            layer_cls(config, o_proj_bias, qk_norm, make_mlp(i), i)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -110,13 +165,16 @@ class LlamaForCausalLM(CausalLM):
 
     # Qwen2 keeps q/k/v biases but has none on o_proj; Llama and Qwen3 tie both to one flag.
     o_proj_follows_attention_bias: bool = True
-    qk_norm: bool = False
+    qk_norm: QKNorm = None
+    # Norms before each block (Llama) or after (OLMo 2).
+    decoder_layer_cls: type[DecoderLayer] | type[PostNormDecoderLayer] = DecoderLayer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         o_bias = config.attention_bias and self.o_proj_follows_attention_bias
-        self.model = DecoderStack(config, o_bias, self.qk_norm, self.make_mlp)
+        self.model = DecoderStack(config, o_bias, self.qk_norm, self.make_mlp,
+                                  self.decoder_layer_cls)
         # With tied embeddings there is no separate lm_head parameter at all, so nothing can
         # untie them (e.g. materialising from the meta device) and checkpoints need not have it.
         self.lm_head = (
@@ -124,7 +182,9 @@ class LlamaForCausalLM(CausalLM):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.rope_dim, config.max_position_embeddings,
+                                      bool(config.uses_long_rope_factors()))
         # The tied output projection in oneDNN's layout, next to the embedding it shares
         # values with (the embedding lookup needs the plain rows); set by ``prepack``.
         self.packed_tied_head: PackedLinear | None = None
@@ -172,6 +232,8 @@ class LlamaForCausalLM(CausalLM):
         residual: torch.Tensor | None = None
         if intermediate is None:
             x = self.model.embed_tokens(input_ids)
+            if self.config.embedding_multiplier != 1.0:
+                x = x * self.config.embedding_multiplier
             if self.small_batch.applies(x) and len(self.model.layers) > 0:
                 return self.small_batch.forward(x, rotary.cos_half, rotary.sin_half,
                                                 kv_caches, attn_metadata)
@@ -187,6 +249,12 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite divides its logits
+            logits = logits / self.config.logits_scaling
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_head is not None:
             return self.tp_head(hidden)
         if self.quant_head is not None:

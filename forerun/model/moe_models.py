@@ -105,7 +105,7 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     """Qwen3-MoE: Qwen3's attention (per-head q/k norm), top-k softmax routing
     (renormalised with ``norm_topk_prob``), no shared expert."""
 
-    qk_norm = True
+    qk_norm = "head"
 
 
 class MixtralForCausalLM(MoeForCausalLM):

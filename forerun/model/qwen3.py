@@ -6,4 +6,4 @@ from forerun.model.llama import LlamaForCausalLM
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 decoder with q_norm/k_norm."""
 
-    qk_norm = True
+    qk_norm = "head"

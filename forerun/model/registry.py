@@ -5,10 +5,14 @@ from __future__ import annotations
 from forerun.model.base import CausalLM
 from forerun.model.config import SUPPORTED_ARCHITECTURES
 from forerun.model.errors import ModelLoadError
+from forerun.model.granite import GraniteForCausalLM
 from forerun.model.llama import LlamaForCausalLM
 from forerun.model.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
+from forerun.model.olmo2 import Olmo2ForCausalLM
+from forerun.model.phi3 import Phi3ForCausalLM
 from forerun.model.qwen2 import Qwen2ForCausalLM
 from forerun.model.qwen3 import Qwen3ForCausalLM
+from forerun.model.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +20,10 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

@@ -25,6 +25,7 @@ descriptors, no copy is made, and a step reads each weight in its GGUF blocks.
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,8 @@ from forerun.model.quant.gguf_linear import GGUFLinear
 
 if TYPE_CHECKING:
     from forerun.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 _NUM_LAYER_PTRS = 14  # the enum at the top of decoder_stack.c
 _MAX_TABLES = 8
@@ -58,6 +61,30 @@ class _StackArgs(ctypes.Structure):
         ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
         ("moe_intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int64),
     ]
+
+
+def unsupported_feature(model: LlamaForCausalLM) -> str | None:
+    """What in ``model`` decoder_stack.c does not compute, or None if it computes it all.
+
+    The C stack runs pre-norm blocks with per-head q/k norm, rotary over the whole head in
+    every layer, and a residual add without a multiplier; embedding multipliers and logit
+    scaling run outside it (in Python), and the attention scale is passed in.
+    """
+    from forerun.model.llama import DecoderLayer  # llama imports this module
+
+    cfg = model.config
+    layers = list(model.model.layers)
+    if not all(type(layer) is DecoderLayer for layer in layers):
+        return "norms after the attention and MLP blocks (post-norm layers)"
+    if any(layer.self_attn.qk_norm == "full" for layer in layers):
+        return "q/k norm over the whole projection"
+    if cfg.rope_dim != cfg.head_dim:
+        return "partial rotary"
+    if cfg.nope_layers:
+        return "layers without rotary (NoPE)"
+    if cfg.residual_multiplier != 1.0:
+        return "a residual multiplier"
+    return None
 
 
 def _addr(t: torch.Tensor | None) -> int:
@@ -85,7 +112,8 @@ class SmallBatchStack:
             hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-            scale=cfg.head_dim ** -0.5, num_experts=cfg.num_experts,
+            scale=model.model.layers[0].self_attn.scale if len(model.model.layers) else 1.0,
+            num_experts=cfg.num_experts,
             top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
             renormalize=int(cfg.norm_topk_prob))
         # MoE layers: per layer the float32 router and the experts' weight addresses, kept
@@ -94,8 +122,12 @@ class SmallBatchStack:
         self._moe_entries: dict[int, tuple[int, int]] = {}
         # Asked every step (applies): whether any layer is a mixture of experts.
         self._has_moe = any(isinstance(layer.mlp, FusedMoE) for layer in model.model.layers)
-        # False once prepacking dropped the plain weights without a packed copy here.
-        self.available = True
+        # False once prepacking dropped the plain weights without a packed copy here, or
+        # from the start for a model whose layers the C stack does not compute.
+        self.refusal = unsupported_feature(model)
+        self.available = self.refusal is None
+        if self.refusal is not None:
+            logger.info("small-batch path off for %s: %s", cfg.architecture, self.refusal)
         # bfloat16 packs column pairs: every inner dimension must be even.
         self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
                                               cfg.num_attention_heads * cfg.head_dim))

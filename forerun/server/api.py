@@ -17,6 +17,7 @@ import forerun
 from forerun.engine.async_llm import AsyncLLM
 from forerun.engine.processor import ProcessedPrompt
 from forerun.sampling_params import SamplingParams
+from forerun.server.anthropic import register_anthropic_routes
 from forerun.server.bodies import ModelCard, ModelList, encode
 from forerun.server.chat import create_chat_completion
 from forerun.server.chat_batch import BatchChatCompletionRequest, create_batch_chat_completion
@@ -34,6 +35,7 @@ from forerun.server.edge import (
 )
 from forerun.server.errors import APIError, install_error_handlers
 from forerun.server.metrics import ServerMetrics
+from forerun.server.ollama import register_ollama_routes
 from forerun.server.protocol import ChatCompletionRequest, CompletionRequest
 from forerun.server.responses_api import create_response
 from forerun.server.responses_protocol import ResponsesRequest
@@ -136,6 +138,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     async def responses(request: Request) -> Response:
         return await generate(request, responses=True)
 
+    register_anthropic_routes(app, ctx, limit)  # /v1/messages: Anthropic's Messages API
+
     @app.post("/invocations", openapi_extra=_json_body(ChatCompletionRequest))
     async def invocations(request: Request) -> Response:
         """SageMaker's single route: chat when the body has messages, else completions."""
@@ -172,6 +176,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     async def server_load() -> Response:
         # Without --enable-server-load-tracking nothing counts, and this stays 0 (vLLM).
         return JSONResponse({"server_load": load.in_flight})
+
+    register_ollama_routes(app, ctx, limit)  # Ollama's /api/* (forerun/server/ollama.py)
 
     _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest,
                             TokenizeCompletionRequest, DetokenizeRequest])
@@ -214,7 +220,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
 
 # Generation routes: what --enable-server-load-tracking counts.
 _LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions",
-                           "/v1/chat/completions/batch", "/v1/responses", "/invocations"})
+                           "/v1/chat/completions/batch", "/v1/responses", "/invocations",
+                           "/v1/messages"})
 
 
 def _invocation_kind(raw: bytes) -> type[BaseModel]:

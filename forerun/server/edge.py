@@ -37,7 +37,7 @@ def _too_large(limit: int) -> APIError:
 
 
 class EdgeGuard:
-    """ASGI middleware: API key on ``/v1`` routes and the declared body size, body unread."""
+    """ASGI middleware: API key on ``/v1`` and ``/api/`` routes and the declared body size, body unread."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -50,12 +50,11 @@ class EdgeGuard:
             return
         headers = dict(scope.get("headers") or [])
         error = None
-        if self.api_key is not None and route_path(scope).startswith("/v1"):
-            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    token.strip().encode("latin-1"), self.api_key.encode()):
-                error = APIError(401, "Incorrect API key provided.", "AuthenticationError",
-                                 code="invalid_api_key")
+        # /api: Ollama's routes (forerun/server/ollama.py) generate too.
+        if self.api_key is not None and route_path(scope).startswith(("/v1", "/api/")) \
+                and not self._key_matches(headers):
+            error = APIError(401, "Incorrect API key provided.", "AuthenticationError",
+                             code="invalid_api_key")
         if error is None:
             length = headers.get(b"content-length")
             try:
@@ -67,10 +66,41 @@ class EdgeGuard:
         if error is None:
             await self.app(scope, receive, send)
             return
-        response = error_response(error)
+        response = _shaped_error(scope, error)
         # The body was not read: close the connection rather than drain it.
         response.headers["connection"] = "close"
         await response(scope, receive, send)
+
+
+    def _key_matches(self, headers: dict[bytes, bytes]) -> bool:
+        """The key as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key:
+        <key>`` (Anthropic's API); either one matching lets the request through."""
+        assert self.api_key is not None
+        key = self.api_key.encode()
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode("latin-1"), key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), key)
+
+
+def set_error_shape(app: Any, prefix: str, render: Callable[[APIError], Any]) -> None:
+    """Errors the edge answers on ``prefix`` and below take ``render``'s shape (an API
+    whose error body is not OpenAI's, such as Anthropic's)."""
+    shapes = getattr(app.state, "error_shapes", None)
+    if shapes is None:
+        shapes = app.state.error_shapes = {}
+    shapes[prefix] = render
+
+
+def _shaped_error(scope: Scope, error: APIError) -> Any:
+    app = scope.get("app")
+    shapes = getattr(getattr(app, "state", None), "error_shapes", None) or {}
+    path = route_path(scope)
+    for prefix, render in shapes.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return render(error)
+    return error_response(error)
 
 
 def route_path(scope: Scope) -> str:
