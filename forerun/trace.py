@@ -5,14 +5,20 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from forerun.core.stats import RecentSpan
+
 ENGINE_LANE = "engine (scheduler)"
 WORKER_LANE = "worker (device)"
 DEVICE_SPANS = frozenset({"forward", "sample"})
+# Spans kept, always, for the live timeline (``recent_spans``): a few seconds of steps even
+# at hundreds of steps a second, and a few hundred KB at most.
+RECENT_SPANS = 4096
 
 
 @dataclass(slots=True)
@@ -41,7 +47,8 @@ class Tracer:
 
     Device-busy time (forward + sample on the worker) and the worker's idle gap between
     one step and the next are kept even without a trace file: they are stats the engine
-    always reports, and the gap is exactly what async scheduling exists to remove.
+    always reports, and the gap is exactly what async scheduling exists to remove. So are
+    the last :data:`RECENT_SPANS` spans, in a ring, for the web page's live timeline.
     """
 
     def __init__(self, enabled: bool = False) -> None:
@@ -53,6 +60,8 @@ class Tracer:
         self.worker_step_gaps = 0
         self._worker_step = -1
         self._worker_last_end: float | None = None
+        # (name, lane, start, end, step): tuples, as the ring is filled on every span.
+        self.recent: deque[tuple[str, str, float, float, int]] = deque(maxlen=RECENT_SPANS)
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
 
@@ -80,9 +89,23 @@ class Tracer:
                 self._worker_last_end = end
             if name in DEVICE_SPANS:
                 self.device_busy_s += end - start
+            # Engine and worker threads both append; the lock keeps a reader's copy whole.
+            with self._lock:
+                self.recent.append((name, lane, start, end, step))
             if self.enabled:
                 with self._lock:
                     self.spans.append(Span(name, lane, start, end, step))
+
+    def recent_spans(self, window_s: float) -> list[RecentSpan]:
+        """The spans that ended in the last ``window_s`` seconds, aged from now."""
+        if window_s <= 0:
+            return []
+        now = time.perf_counter()
+        with self._lock:
+            spans = list(self.recent)
+        cutoff = now - window_s
+        return [RecentSpan(name, lane, start - now, end - now, step)
+                for name, lane, start, end, step in spans if end >= cutoff]
 
     def counter(self, name: str, step: int, values: dict[str, float]) -> None:
         """Record a counter sample (e.g. accepted drafts per position) when enabled."""

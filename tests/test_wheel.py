@@ -71,6 +71,20 @@ def test_the_wheel_compiles_every_kernel_file_it_ships(
     assert compiled, "no kernel library was compiled into the empty cache"
 
 
+def test_the_wheel_ships_the_web_page(installed: tuple[Path, dict[str, str]],
+                                      tmp_path: Path) -> None:
+    python, env = installed
+    where = ("import importlib.util; "
+             "print(importlib.util.find_spec('forerun').submodule_search_locations[0])")
+    site = Path(_run([str(python), "-c", where], tmp_path, env).stdout.strip())
+    assert ROOT not in site.resolve().parents
+    static = ROOT / "forerun" / "server" / "static"
+    names = sorted(p.name for p in static.iterdir())
+    assert names == ["app.js", "index.html", "style.css"]
+    for name in names:
+        assert (site / "server" / "static" / name).read_bytes() == (static / name).read_bytes()
+
+
 @pytest.mark.slow
 def test_the_wheel_generates_the_same_text_as_the_checkout(
         installed: tuple[Path, dict[str, str]], tmp_path: Path, llm_cache: Any) -> None:

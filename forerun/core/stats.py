@@ -88,6 +88,17 @@ class KVCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_hit_rate: float
 
 
+class RecentSpan(msgspec.Struct, frozen=True, array_like=True):
+    """One recent step span, timed in seconds before the snapshot (``start <= end <= 0``):
+    the core's clock means nothing to another process, the age does."""
+
+    name: str
+    lane: str
+    start: float
+    end: float
+    step: int
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """``EngineCore.stats()``: the scheduler's and the KV cache's parts plus the engine's."""
 
@@ -103,6 +114,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_deferred_samplings: int
     # Bytes of model weights held (every form: quantized blocks, packed copies), 0 if unknown.
     weight_bytes: int = 0
+    # The spans of the last ``span_window_s`` seconds when asked for (the web page's
+    # timeline); empty by default, so stats stay small for /metrics and benchmarks.
+    recent_spans: list[RecentSpan] = msgspec.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dicts, for JSON (benchmark reports, logs)."""

@@ -352,8 +352,9 @@ class AsyncLLM:
             self.client.abort_requests(ids)
 
     # ----- stats ------------------------------------------------------------------------
-    async def get_engine_stats(self, timeout_s: float = 10.0) -> list[EngineStats]:
-        """Every engine core's ``stats()`` snapshot, by data-parallel rank."""
+    async def get_engine_stats(self, timeout_s: float = 10.0,
+                               span_window_s: float = 0.0) -> list[EngineStats]:
+        """Every engine core's ``stats(span_window_s)`` snapshot, by data-parallel rank."""
         self._ensure_handler()
         if self.is_dead:
             raise EngineDeadError(self.dead_error or self.client.death_message())
@@ -361,7 +362,7 @@ class AsyncLLM:
         fut: asyncio.Future[list[EngineStats]] = asyncio.get_running_loop().create_future()
         self._stats_waiters[call_id] = (fut, [])
         try:
-            self.client.request_stats(call_id)
+            self.client.request_stats(call_id, span_window_s)
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._stats_waiters.pop(call_id, None)

@@ -241,8 +241,9 @@ class EngineCore:
     def close_stats_window(self) -> None:
         self._window_end = time.perf_counter()
 
-    def stats(self) -> EngineStats:
-        """A snapshot: the scheduler's and the KV cache's own stats plus the engine's."""
+    def stats(self, span_window_s: float = 0.0) -> EngineStats:
+        """A snapshot: the scheduler's and the KV cache's own stats plus the engine's, with
+        the step spans of the last ``span_window_s`` seconds."""
         wall = (self._window_end or time.perf_counter()) - self._window_start
         tracer = self.tracer
         return EngineStats(
@@ -257,6 +258,7 @@ class EngineCore:
             num_deferred_samplings=self.num_deferred_samplings,
             weight_bytes=getattr(getattr(getattr(self.executor, "runner", None), "model", None),
                                  "resident_weight_bytes", 0),
+            recent_spans=tracer.recent_spans(span_window_s),
         )
 
     def shutdown(self) -> None:

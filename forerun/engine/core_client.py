@@ -180,10 +180,10 @@ class EngineCoreClient:
         if request_ids and self.is_alive():
             self._send(AbortRequests(list(request_ids)))
 
-    def request_stats(self, call_id: int) -> None:
+    def request_stats(self, call_id: int, span_window_s: float = 0.0) -> None:
         if not self.is_alive():
             raise EngineDeadError(self.death_message())
-        self._send(GetStats(call_id))
+        self._send(GetStats(call_id, span_window_s))
 
     # ----- outputs ----------------------------------------------------------------------
     def output_socket(self) -> zmq.asyncio.Socket:
@@ -297,9 +297,9 @@ class DPEngineCoreClient:
             else:
                 self._groups[group] = (engine, left - 1)
 
-    def request_stats(self, call_id: int) -> None:
+    def request_stats(self, call_id: int, span_window_s: float = 0.0) -> None:
         for c in self.clients:
-            c.request_stats(call_id)
+            c.request_stats(call_id, span_window_s)
 
     async def recv_messages(self, timeout_ms: int) -> list[Any]:
         """Every message waiting on any core, after waiting up to ``timeout_ms``."""

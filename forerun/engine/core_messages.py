@@ -37,6 +37,8 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 class GetStats(msgspec.Struct, tag="stats", array_like=True):
     call_id: int
+    # Include the step spans of this many recent seconds (0: none).
+    span_window_s: float = 0.0
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):

@@ -119,7 +119,8 @@ class EngineCoreProc:
                 self.unreported.pop(rid, None)
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, GetStats):
-            self._send(StatsReply(msg.call_id, self.core.stats(), self.engine_index))
+            self._send(StatsReply(msg.call_id, self.core.stats(msg.span_window_s),
+                                 self.engine_index))
         elif isinstance(msg, Shutdown):
             self.running = False
 

@@ -50,6 +50,7 @@ from forerun.server.tokenize import (
     tokenizer_info,
 )
 from forerun.server.tool_calls import ToolCallConfig
+from forerun.server.web import register_web_page
 
 logger = logging.getLogger(__name__)
 # Its own logger, so request lines can be filtered or silenced apart from the rest.
@@ -205,6 +206,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": forerun.__version__})
+
+    register_web_page(app, engine, metrics, names[0], enabled=not server.disable_web_page)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

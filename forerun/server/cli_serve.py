@@ -97,6 +97,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "return_tokens_as_token_ids itself")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json")
+    g.add_argument("--disable-web-page", action="store_true",
+                   help="serve no web page (chat and live engine view) at /")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -112,6 +114,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         disable_fastapi_docs=args.disable_fastapi_docs,
+        disable_web_page=args.disable_web_page,
         enable_force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         served_model_names=tuple(args.served_model_name or ()),

@@ -29,6 +29,8 @@ class ServerConfig:
     # SIGTERM: stop admitting, let in-flight requests finish for up to this long, exit.
     shutdown_timeout_s: float = 30.0
     disable_fastapi_docs: bool = False
+    # No web page (chat and live engine view) at / and /forerun/static/ (forerun/server/web.py).
+    disable_web_page: bool = False
     # vLLM's --enable-force-include-usage: streams end with a usage chunk even when the
     # request did not ask for one with stream_options.include_usage.
     enable_force_include_usage: bool = False
