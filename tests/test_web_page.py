@@ -11,7 +11,9 @@ needed to see which routes exist.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -97,9 +99,23 @@ def server() -> ServerHandle:
     return handle
 
 
+def _wait_for_background_install(timeout_s: float = 600.0) -> None:
+    """scripts/install.sh installs Chromium in the background (the suite runs meanwhile):
+    wait for the status file it writes when done, if it started one."""
+    base = os.path.join(tempfile.gettempdir(), "forerun-chromium-install")
+    if not os.path.exists(f"{base}.log"):
+        return
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(f"{base}.status"):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the background Chromium install did not finish: see {base}.log")
+        time.sleep(1.0)
+
+
 @pytest.fixture(scope="module")
 def browser(server: ServerHandle) -> Iterator[Any]:
     """Headless Chromium on the page, its console log collected."""
+    _wait_for_background_install()
     if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
         pytest.fail("Debian's chromium and chromium-driver are needed: run scripts/install.sh")
     from selenium import webdriver
