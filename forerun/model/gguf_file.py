@@ -25,7 +25,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
@@ -52,17 +55,26 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 
+# Gemma's sandwich norms: llama.cpp names the MLP input norm ffn_norm there too, and the
+# attention output's norm (HF post_attention_layernorm) attn_post_norm.
+_GEMMA_BLOCK_NAMES: dict[str, str] = {
+    **_BLOCK_NAMES,
+    "attn_post_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "ffn_post_norm": "post_feedforward_layernorm",
+}
+
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 # Tensors that are hyper-parameters rather than weights: gguf_hf_config reads them.
 _ROPE_FREQS = "rope_freqs.weight"
 _CONFIG_TENSORS = frozenset({_ROPE_FREQS})
 
-# The Llama 3 family's end-of-generation tokens. Its GGUFs name one of them as eos (and
-# rarely an eot or eom id) while the Hugging Face folder's generation_config stops on all
-# three and llama.cpp recognises them by their text; matching the text (control tokens only)
-# gives a GGUF the same stops.
-_LLAMA3_STOP_TEXTS = frozenset({"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"})
+# The Llama 3 family's end-of-generation tokens, and Gemma's end of turn. Their GGUFs name
+# one of them as eos (and rarely an eot or eom id) while the Hugging Face folder's
+# generation_config stops on all of them and llama.cpp recognises them by their text;
+# matching the text (control tokens only) gives a GGUF the same stops.
+_STOP_TEXTS = frozenset({"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>", "<end_of_turn>"})
 _CONTROL_TOKEN = 3  # llama.cpp's token type of special tokens
 
 
@@ -126,7 +138,52 @@ def _architecture(reader: GGUFReader) -> tuple[str, str]:
         )
     if arch == "llama" and int(_field(reader, "llama.expert_count", 0) or 0) > 0:
         hf_arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as llama with experts
+    elif arch == "llama" and int(_field(reader, "llama.attention.sliding_window", 0) or 0) > 0:
+        hf_arch = "MistralForCausalLM"  # and Mistral as llama (with its window, if any)
     return arch, hf_arch
+
+
+def _sliding_config(reader: GGUFReader, arch: str, layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` as llama.cpp reads them: the window from
+    ``{arch}.attention.sliding_window``; which layers slide from
+    ``{arch}.attention.sliding_window_pattern`` (one bool per layer, or a period n: every
+    n-th layer global), else the family's period (Gemma 2: 2, Gemma 3: 6, else every
+    layer). Gemma 2 files without the key have llama.cpp's default window, 4096."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window is None and arch == "gemma2":
+        window = 4096
+    if not window:
+        return {}
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(v) for v in pattern][:layers]
+    else:
+        n = int(pattern) if pattern is not None else {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return {"sliding_window": int(window),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+
+
+def _gemma_config(reader: GGUFReader, arch: str, hidden: int, heads: int, head_dim: int,
+                  layers: int) -> dict[str, Any]:
+    """Gemma's attention scale, soft caps and local rope base. The files do not store
+    query_pre_attn_scalar; llama.cpp (as Google's code) uses hidden / heads for the 27B
+    models (46 layers: Gemma 2; 62: Gemma 3) and head_dim for the others. A Gemma 3's
+    sliding layers rotate by ``rope.freq_base_swa`` (llama.cpp's default 10000), unscaled;
+    a Gemma 2's share the global base."""
+    if arch not in _GEMMA:
+        return {}
+    big = layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if big else head_dim,
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(_field(reader, f"{arch}.rope.freq_base_swa",
+                                                   10000.0))
+    return out
 
 
 def _moe_config(reader: GGUFReader, arch: str, hf_arch: str) -> dict[str, Any]:
@@ -167,7 +224,8 @@ def _rope_freq_factors(reader: GGUFReader) -> list[float] | None:
 
 
 def _stop_token_ids(reader: GGUFReader) -> list[int]:
-    """eos, then end-of-turn / end-of-message and the Llama 3 stop tokens, without repeats."""
+    """eos, then end-of-turn / end-of-message and the Llama 3 and Gemma stop tokens,
+    without repeats."""
     ids = [
         int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"),
                          _field(reader, "tokenizer.ggml.eot_token_id"),
@@ -180,7 +238,7 @@ def _stop_token_ids(reader: GGUFReader) -> list[int]:
         # Only control tokens are decoded: a few hundred strings, not the whole vocabulary.
         for i in np.flatnonzero(kinds == _CONTROL_TOKEN):
             text = bytes(tokens.parts[tokens.data[int(i)]]).decode("utf-8", errors="replace")
-            if text in _LLAMA3_STOP_TEXTS:
+            if text in _STOP_TEXTS:
                 ids.append(int(i))
     return list(dict.fromkeys(ids))
 
@@ -228,6 +286,10 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "rope_scaling": rope_scaling,
         **_moe_config(reader, arch, hf_arch),
+        **_sliding_config(reader, arch, int(key("block_count"))),
+        **_gemma_config(reader, arch, hidden, heads,
+                        int(key("attention.key_length", hidden // heads)),
+                        int(key("block_count"))),
     }
 
 
@@ -236,14 +298,15 @@ def gguf_chat_template(reader: GGUFReader) -> str | None:
     return _field(reader, "tokenizer.chat_template")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    names = _GEMMA_BLOCK_NAMES if arch in _GEMMA else _BLOCK_NAMES
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -277,7 +340,7 @@ def gguf_raw_blocks(reader: GGUFReader, types: set[int]
     arch, _ = _architecture(reader)
     heads, kv_heads = _head_counts(reader, arch)
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         stacked = len(t.shape) == 3 and name is not None and ".experts." in name
         if name is None or int(t.tensor_type) not in types or not (
                 len(t.shape) == 2 or stacked):
@@ -300,7 +363,7 @@ def gguf_weights(reader: GGUFReader, path: Path, skip: frozenset[str] = frozense
     for t in reader.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             logger.warning("ignoring unknown GGUF tensor %s", t.name)
             continue
@@ -313,4 +376,8 @@ def gguf_weights(reader: GGUFReader, path: Path, skip: frozenset[str] = frozense
                 f"could not read tensor {t.name} from GGUF file {path}: {exc}"
             ) from exc
         arr = _unpermute_rows(arr, name, arch, heads, kv_heads)
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norms as 1 + w; yield Hugging Face's w
+            # (the model adds the 1 back, in float32).
+            arr = arr.astype(np.float64) - 1.0
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))

@@ -1,8 +1,9 @@
-"""Llama-family decoder (also the base of Qwen2 and Qwen3, which differ only by flags)."""
+"""Llama-family decoder, the base of every dense and MoE model here: Qwen2/3, Mistral and
+Gemma 2/3 differ from Llama only by the class flags and config options read below."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -18,16 +19,20 @@ from forerun.model.small_batch import SmallBatchStack
 
 
 class DecoderAttention(nn.Module):
-    """Self-attention with fused q/k/v projection, optional per-head q/k norm, paged cache."""
+    """Self-attention with fused q/k/v projection, optional per-head q/k norm, paged cache;
+    decoder layer ``layer``'s sliding window and the config's score soft-capping."""
 
-    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool,
+                 layer: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_logit_softcapping
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
@@ -52,19 +57,27 @@ class DecoderAttention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary(q, rotary)
         k = apply_rotary(k, rotary)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              self.window, self.softcap)
         return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention and gated MLP, each with a residual."""
+    """Pre-norm transformer block: attention and gated MLP, each with a residual.
+
+    With ``sandwich_norms`` (Gemma 2/3) the attention and MLP outputs are normed too, before
+    their residual adds: ``post_attention_layernorm`` then norms the attention output and
+    ``pre_feedforward_layernorm`` the MLP input (Llama's ``post_attention_layernorm``)."""
 
     def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, layer: int = 0, sandwich_norms: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, o_proj_bias, qk_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = DecoderAttention(config, o_proj_bias, qk_norm, layer)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps) if sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps) if sandwich_norms else None
         self.mlp = mlp
 
     def forward(
@@ -83,15 +96,19 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
         h = self.self_attn(h, rotary, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        return self.mlp(h), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+            return self.mlp(h), residual
+        h = self.post_attention_layernorm(h)
+        h, residual = self.pre_feedforward_layernorm.forward_with_residual(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class DecoderStack(nn.Module):
     """Embedding, the decoder layers and the final norm (``model.*`` in checkpoints)."""
 
     def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: bool,
-                 make_mlp: Callable[[int], nn.Module]) -> None:
+                 make_mlp: Callable[[int], nn.Module], sandwich_norms: bool = False) -> None:
         super().__init__()
         # An explicit (empty) weight skips nn.Embedding's random init: on the meta device
         # that init imports torch._dynamo, 2-3 s of every process's model load.
@@ -99,24 +116,31 @@ class DecoderStack(nn.Module):
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, o_proj_bias, qk_norm, make_mlp(i))
+            DecoderLayer(config, o_proj_bias, qk_norm, make_mlp(i), i, sandwich_norms)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama / SmolLM / Mistral-style dense decoder."""
+    """Llama / SmolLM-style dense decoder, and the base of the other families."""
 
     # Qwen2 keeps q/k/v biases but has none on o_proj; Llama and Qwen3 tie both to one flag.
     o_proj_follows_attention_bias: bool = True
     qk_norm: bool = False
+    # Gemma: its checkpoints' RMSNorm weights w scale by (1 + w), so every norm holds
+    # w + norm_offset (added at load: one multiply per norm, and the C kernel unchanged);
+    # sandwich norms (DecoderLayer); embeddings scaled by sqrt(hidden_size).
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         o_bias = config.attention_bias and self.o_proj_follows_attention_bias
-        self.model = DecoderStack(config, o_bias, self.qk_norm, self.make_mlp)
+        self.model = DecoderStack(config, o_bias, self.qk_norm, self.make_mlp,
+                                  self.sandwich_norms)
         # With tied embeddings there is no separate lm_head parameter at all, so nothing can
         # untie them (e.g. materialising from the meta device) and checkpoints need not have it.
         self.lm_head = (
@@ -125,6 +149,9 @@ class LlamaForCausalLM(CausalLM):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # Gemma 3's sliding layers rotate by their own (unscaled) base.
+        self.rotary_local = (None if config.rope_local_theta is None else
+                             RotaryEmbedding(config.head_dim, config.rope_local_theta, None))
         # The tied output projection in oneDNN's layout, next to the embedding it shares
         # values with (the embedding lookup needs the plain rows); set by ``prepack``.
         self.packed_tied_head: PackedLinear | None = None
@@ -140,7 +167,8 @@ class LlamaForCausalLM(CausalLM):
 
     def make_mlp(self, layer: int) -> nn.Module:
         """Decoder layer ``layer``'s MLP: the dense gated SiLU MLP (the MoE models override)."""
-        return GatedMLP(self.config.hidden_size, self.config.intermediate_size)
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size,
+                        self.config.hidden_act)
 
     def packed_shards(self) -> dict[str, Shard]:
         c = self.config
@@ -160,6 +188,13 @@ class LlamaForCausalLM(CausalLM):
             return True
         return super().skip_weight(name)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.norm_offset:
+            # In float32, as Gemma's own norm adds it (then one rounding to the model dtype).
+            weights = ((n, t.float() + self.norm_offset if n.endswith("norm.weight") else t)
+                       for n, t in weights)
+        super().load_weights(weights)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -169,16 +204,21 @@ class LlamaForCausalLM(CausalLM):
         intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rotary = self.rotary.tables(positions)
+        local = rotary if self.rotary_local is None else self.rotary_local.tables(positions)
         residual: torch.Tensor | None = None
         if intermediate is None:
             x = self.model.embed_tokens(input_ids)
+            if self.scale_embeddings:
+                # The factor rounded to the model dtype first, as Gemma does.
+                x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
             if self.small_batch.applies(x) and len(self.model.layers) > 0:
                 return self.small_batch.forward(x, rotary.cos_half, rotary.sin_half,
                                                 kv_caches, attn_metadata)
         else:
             x, residual = intermediate[0], intermediate[1]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rotary, kv_cache, attn_metadata)
+            tables = local if layer.self_attn.window is not None else rotary
+            x, residual = layer(x, residual, tables, kv_cache, attn_metadata)
         if self.pp_stage is not None and not self.pp_stage.is_last:
             assert residual is not None  # every stage holds at least one layer
             return torch.stack([x, residual])
@@ -187,6 +227,13 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_head is not None:
             return self.tp_head(hidden)
         if self.quant_head is not None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from forerun.model.base import CausalLM
 from forerun.model.config import SUPPORTED_ARCHITECTURES
 from forerun.model.errors import ModelLoadError
+from forerun.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from forerun.model.llama import LlamaForCausalLM
+from forerun.model.mistral import MistralForCausalLM
 from forerun.model.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
 from forerun.model.qwen2 import Qwen2ForCausalLM
 from forerun.model.qwen3 import Qwen3ForCausalLM
@@ -16,6 +18,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

@@ -25,6 +25,7 @@ descriptors, no copy is made, and a step reads each weight in its GGUF blocks.
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +40,9 @@ from forerun.model.quant.gguf_linear import GGUFLinear
 if TYPE_CHECKING:
     from forerun.model.llama import LlamaForCausalLM
 
-_NUM_LAYER_PTRS = 14  # the enum at the top of decoder_stack.c
+logger = logging.getLogger(__name__)
+
+_NUM_LAYER_PTRS = 15  # the enum at the top of decoder_stack.c
 _MAX_TABLES = 8
 
 
@@ -58,6 +61,28 @@ class _StackArgs(ctypes.Structure):
         ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
         ("moe_intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int64),
     ]
+
+
+def unsupported_features(model: LlamaForCausalLM) -> list[str]:
+    """What the model does that ``decoder_stack.c`` does not (empty: the stack runs it
+    exactly). The stack is the Llama layer (optionally q/k norm, biases, MoE, per-layer
+    sliding window): Gemma's extra norms, scaled embeddings, GeGLU, soft-capping, its own
+    attention scale and per-layer rope are not in it."""
+    cfg = model.config
+    found = []
+    if model.norm_offset or model.sandwich_norms:
+        found.append("Gemma norms")
+    if model.scale_embeddings:
+        found.append("embedding scale")
+    if cfg.hidden_act != "silu":
+        found.append(f"{cfg.hidden_act} MLP")
+    if cfg.attn_logit_softcapping or cfg.final_logit_softcapping:
+        found.append("logit soft-capping")
+    if cfg.query_pre_attn_scalar is not None:
+        found.append("query_pre_attn_scalar")
+    if cfg.rope_local_theta is not None:
+        found.append("per-layer rope")
+    return found
 
 
 def _addr(t: torch.Tensor | None) -> int:
@@ -94,8 +119,14 @@ class SmallBatchStack:
         self._moe_entries: dict[int, tuple[int, int]] = {}
         # Asked every step (applies): whether any layer is a mixture of experts.
         self._has_moe = any(isinstance(layer.mlp, FusedMoE) for layer in model.model.layers)
-        # False once prepacking dropped the plain weights without a packed copy here.
+        # False once prepacking dropped the plain weights without a packed copy here, or
+        # from the start for a model with a feature the C stack does not implement.
         self.available = True
+        missing = unsupported_features(model)
+        if missing:
+            logger.info("small-batch path off for %s: the C stack has no %s",
+                        cfg.architecture, ", ".join(missing))
+            self.available = False
         # bfloat16 packs column pairs: every inner dimension must be even.
         self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
                                               cfg.num_attention_heads * cfg.head_dim))
@@ -253,6 +284,7 @@ class SmallBatchStack:
                     w.get(f"{i}.down", 0),
                     0, 0,
                     router, experts,
+                    self.model.config.layer_window(i) or 0,
                 ])
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
                 -1, _NUM_LAYER_PTRS)
