@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 
 from forerun.model import cpu_kernels
 from forerun.model.loader import load_model, load_model_config, resolve_model
@@ -39,6 +45,9 @@ VARIANTS: dict[str, Any] = {
                                             "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     "mistral": lambda: MistralConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=False),
+    # Layers from max_window_layers on slide.
+    "qwen2": lambda: Qwen2Config(**COMMON, num_hidden_layers=2, use_sliding_window=True,
+                                 max_window_layers=1, tie_word_embeddings=True),
 }
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1, 77, 123, 8, 19, 240, 31, 56, 201, 9, 4]
 
@@ -72,8 +81,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(params=["c-kernels", "torch-path"])
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """The C kernels (Mistral: its one-call small-batch stack, which has the window; the
-    Gemmas: op by op, the stack refusing them) and the pure-torch path."""
+    """The C kernels (Mistral, Qwen2: the one-call small-batch stack, which has the window;
+    the Gemmas: op by op, the stack refusing them) and the pure-torch path."""
     if request.param == "torch-path":
         monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
     elif cpu_kernels.kernel_library() is None:
@@ -88,11 +97,19 @@ def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+_GREEDY: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
 def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(_hf_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt):]
+    """transformers' greedy tokens by full recompute (once per model, prompt and length:
+    several tests ask)."""
+    key = (id(hf), tuple(prompt), n)
+    if key not in _GREEDY:
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(_hf_logits(hf, ids)[-1].argmax()))
+        _GREEDY[key] = ids[len(prompt):]
+    return _GREEDY[key]
 
 
 def test_config_marks_sliding_layers(tiny) -> None:
@@ -107,7 +124,7 @@ def test_config_marks_sliding_layers(tiny) -> None:
 def test_small_batch_stack_takes_mistral_and_refuses_gemma(tiny) -> None:
     hf, ours, _ = tiny
     missing = unsupported_features(ours)
-    if hf.config.model_type == "mistral":
+    if not hf.config.model_type.startswith("gemma"):
         assert missing == [] and ours.small_batch.available
     else:
         assert "Gemma norms" in missing and not ours.small_batch.available
@@ -159,19 +176,19 @@ def test_engine_chunked_prefill_prefix_hit_and_async_match_transformers(tiny) ->
     from tests.conftest import assert_all_blocks_free
 
     hf, _, folder = tiny
-    text = " ".join(f"w{i}z" for i in PROMPT)
+    prompt = {"prompt_token_ids": PROMPT}
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = {}
     for mode in ("off", "on"):
         llm = _engine(folder, max_num_batched_tokens=8, async_scheduling=mode)
         try:
-            outs = [llm.generate([text], params, use_tqdm=False)[0] for _ in range(2)]
+            outs = [llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2)]
             assert outs[1].num_cached_tokens > 0
             got[mode] = [o.outputs[0].token_ids for o in outs]
             assert_all_blocks_free(llm)
         finally:
             llm.shutdown()
-    want = _hf_greedy(hf, outs[0].prompt_token_ids, 8)
+    want = _hf_greedy(hf, PROMPT, 8)
     assert got["off"] == got["on"] == [want, want]
 
 
@@ -258,6 +275,8 @@ def _write_gguf(hf: torch.nn.Module, path: Path) -> None:
 @pytest.mark.usefixtures("private_model_cache")
 def test_gguf_loading_matches_transformers(tiny, tmp_path: Path) -> None:
     hf, ours, _ = tiny
+    if hf.config.model_type == "qwen2":
+        pytest.skip("llama.cpp's qwen2 has no sliding window (its converter writes none)")
     if hf.config.model_type == "gemma2":
         pytest.skip("a GGUF has no query_pre_attn_scalar (llama.cpp takes head_dim), and this "
                     "Gemma 2's differs; the Gemma 3 file covers the Gemma names and norms")
@@ -273,3 +292,60 @@ def test_gguf_loading_matches_transformers(tiny, tmp_path: Path) -> None:
     with torch.inference_mode():
         got = PagedDriver(from_gguf).step([("a", PROMPT)])[0]
     torch.testing.assert_close(got, _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def _config(arch: str, **kw: Any) -> dict[str, Any]:
+    return {"architectures": [arch], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 320, **kw}
+
+
+def test_layer_types_without_a_layer_types_key_follow_each_familys_pattern() -> None:
+    """transformers 4 configs: Gemma 2 slides on even layers, Gemma 3 makes every sixth
+    global (sliding_window_pattern) and rotates its sliding layers by
+    rope_local_base_freq, Qwen2 slides from max_window_layers on when use_sliding_window,
+    Mixtral everywhere."""
+    from forerun.model.config import ModelConfig
+
+    s, f = "sliding_attention", "full_attention"
+    g2 = ModelConfig.from_hf_dict(_config("Gemma2ForCausalLM", sliding_window=16,
+                                          head_dim=16))
+    assert g2.layer_types == [s, f] * 3 and g2.query_pre_attn_scalar == 16
+    g3 = ModelConfig.from_hf_dict(_config(
+        "Gemma3ForCausalLM", sliding_window=16, sliding_window_pattern=3, rope_theta=1e6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert g3.layer_types == [s, s, f] * 2 and g3.layer_window(0) == 16
+    assert g3.layer_window(2) is None
+    assert (g3.rope_theta, g3.rope_local_theta) == (1e6, 1e4)
+    assert g3.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    q2 = ModelConfig.from_hf_dict(_config("Qwen2ForCausalLM", sliding_window=32,
+                                          use_sliding_window=True, max_window_layers=4))
+    assert q2.layer_types == [f] * 4 + [s] * 2
+    assert ModelConfig.from_hf_dict(_config("Qwen2ForCausalLM", sliding_window=32)
+                                    ).layer_types == []
+    mx = ModelConfig.from_hf_dict(_config("MixtralForCausalLM", sliding_window=32,
+                                          num_local_experts=4, num_experts_per_tok=2))
+    assert mx.layer_types == [s] * 6 and mx.sliding_window == 32
+
+
+def test_gemma_stops_on_end_of_turn_from_generation_config() -> None:
+    from forerun.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(_config("Gemma3ForCausalLM", eos_token_id=1),
+                                   {"eos_token_id": [1, 106]})
+    assert cfg.eos_token_ids == [1, 106]
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
+    ({"layer_types": ["chunked_attention"] * 6}, "layer_types"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"hidden_activation": "relu"}, "relu"),
+])
+def test_bad_sliding_or_activation_settings_are_refused_by_name(
+        extra: dict[str, Any], named: str) -> None:
+    from forerun.model.config import ModelConfig
+    from forerun.model.errors import ModelLoadError
+
+    d = _config("Gemma2ForCausalLM", **{"sliding_window": 16, **extra})
+    with pytest.raises(ModelLoadError, match=named):
+        ModelConfig.from_hf_dict(d)

@@ -110,8 +110,8 @@ def _layer_types(arch: str, d: dict[str, Any], layers: int) -> tuple[list[str], 
     where it has them (transformers >= 5 writes them for Gemma 2/3 and Qwen2), else the
     pattern each family's modeling code uses. No window, or none in use: ``([], None)``."""
     window = d.get("sliding_window")
-    if arch.startswith("Qwen2") and not d.get("use_sliding_window"):
-        window = None  # Qwen2 configs carry a window they do not use
+    if arch.startswith("Qwen") and not d.get("use_sliding_window"):
+        window = None  # Qwen configs carry a window they do not use
     if window is None:
         return [], None
     window = int(window)
@@ -126,7 +126,7 @@ def _layer_types(arch: str, d: dict[str, Any], layers: int) -> tuple[list[str], 
             n = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
             types = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
                      for i in range(layers)]
-        elif arch == "Qwen2ForCausalLM":
+        elif arch.startswith("Qwen"):  # layers from max_window_layers on slide
             first = int(d.get("max_window_layers") or 0)
             types = ["sliding_attention" if i >= first else "full_attention"
                      for i in range(layers)]
