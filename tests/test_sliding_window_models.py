@@ -198,30 +198,21 @@ def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
         w.shape)
 
 
-_GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
 def _write_gguf(hf: torch.nn.Module, path: Path) -> None:
-    """What llama.cpp's converter writes (conversion/gemma.py, llama.py): Gemma norms with
-    the 1 already added, Gemma's sandwich norms as attn_post_norm / ffn_norm /
-    ffn_post_norm, no separate output for tied embeddings, Mistral as llama with its Q/K
-    rows permuted; the window, soft caps and (Gemma 3) the layer pattern as metadata."""
+    """What llama.cpp's converter writes (conversion/gemma.py, llama.py): tensors named by
+    gguf-py's map (Gemma's sandwich norms post_attention_norm / ffn_norm / post_ffw_norm),
+    Gemma norms with the 1 already added, no separate output for tied embeddings, Mistral
+    as llama with its Q/K rows permuted; the window, soft caps and (Gemma 3) the layer
+    pattern as metadata."""
     import gguf
 
     cfg = hf.config
     arch = {"gemma2": "gemma2", "gemma3_text": "gemma3", "mistral": "llama"}[cfg.model_type]
     gemma = arch != "llama"
-    block = dict(_GGUF_BLOCK)
-    if gemma:
-        block |= {"post_attention_layernorm": "attn_post_norm",
-                  "pre_feedforward_layernorm": "ffn_norm",
-                  "post_feedforward_layernorm": "ffn_post_norm"}
-    else:
-        block["post_attention_layernorm"] = "ffn_norm"
+    # gguf-py's own table of Hugging Face -> GGUF tensor names, as the converter uses it.
+    names = gguf.get_tensor_name_map(
+        {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+         "llama": gguf.MODEL_ARCH.LLAMA}[arch], cfg.num_hidden_layers)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -244,7 +235,11 @@ def _write_gguf(hf: torch.nn.Module, path: Path) -> None:
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    tokens, types = [f"t{i}" for i in range(cfg.vocab_size)], [1] * cfg.vocab_size
+    if gemma:  # Gemma's end of turn, a control token (llama.cpp's type 3)
+        tokens[106], types[106] = "<end_of_turn>", 3
+    w.add_token_list(tokens)
+    w.add_token_types(types)
     w.add_eos_token_id(2)
     for name, t in hf.state_dict().items():
         arr = t.detach().float().numpy()
@@ -254,17 +249,10 @@ def _write_gguf(hf: torch.nn.Module, path: Path) -> None:
             arr = _permute_qk(arr, cfg.num_attention_heads)
         elif not gemma and ".k_proj." in name:
             arr = _permute_qk(arr, cfg.num_key_value_heads)
-        parts = name.split(".")
-        if parts[0] == "lm_head":
-            if cfg.tie_word_embeddings:
-                continue
-            gname = "output.weight"
-        elif parts[1] == "embed_tokens":
-            gname = "token_embd.weight"
-        elif parts[1] == "norm":
-            gname = "output_norm.weight"
-        else:
-            gname = f"blk.{parts[2]}.{block['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
         w.add_tensor(gname, arr.copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -288,6 +276,7 @@ def test_gguf_loading_matches_transformers(tiny, tmp_path: Path) -> None:
                 "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta",
                 "rope_scaling", "tie_word_embeddings", "hidden_act"):
         assert getattr(config, key) == getattr(ours.config, key), key
+    assert config.eos_token_ids == ([2, 106] if hf.config.model_type == "gemma3_text" else [2])
     from_gguf = load_model(source, config, torch.float32, CPU)
     with torch.inference_mode():
         got = PagedDriver(from_gguf).step([("a", PROMPT)])[0]

@@ -56,12 +56,12 @@ _BLOCK_NAMES: dict[str, str] = {
 }
 
 # Gemma's sandwich norms: llama.cpp names the MLP input norm ffn_norm there too, and the
-# attention output's norm (HF post_attention_layernorm) attn_post_norm.
+# attention output's norm (HF post_attention_layernorm) post_attention_norm.
 _GEMMA_BLOCK_NAMES: dict[str, str] = {
     **_BLOCK_NAMES,
-    "attn_post_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
-    "ffn_post_norm": "post_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
