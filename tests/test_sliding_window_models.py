@@ -54,12 +54,16 @@ PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1, 77, 123, 8, 19, 240, 31, 56,
 
 def _randomise(model: torch.nn.Module) -> None:
     """Larger-than-default weights so greedy choices are decisive; norms away from their
-    identity (Gemma's weights are offsets from 1, the others' the scale itself)."""
+    identity (Gemma's weights are offsets from 1, the others' the scale itself). Gemma's
+    embeddings are scaled by sqrt(hidden) = 8: smaller ones keep the current token's from
+    swamping the layers (with the tied head, greedy would repeat the last token)."""
     gemma = model.config.model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn_like(p))
+            elif gemma and "embed_tokens" in name:
+                p.copy_(0.01 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
 
