@@ -87,13 +87,17 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """The C kernels (Mistral, Qwen2: the one-call small-batch stack, which has the window;
     the Gemmas: op by op, the stack refusing them) and the pure-torch path."""
+    calls: list[torch.dtype] = []
     if request.param == "torch-path":
         monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
     elif cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler: the kernels cannot be built")
     else:
         monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
-    yield request.param
+        real = cpu_kernels.decoder_stack
+        monkeypatch.setattr(cpu_kernels, "decoder_stack",
+                            lambda dtype: calls.append(dtype) or real(dtype))
+    yield request.param, calls
 
 
 def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -134,16 +138,19 @@ def test_small_batch_stack_takes_mistral_and_refuses_gemma(tiny) -> None:
         assert "Gemma norms" in missing and not ours.small_batch.available
 
 
-def test_prefill_logits_and_greedy_match_transformers(tiny, cpu_path: str) -> None:
+def test_prefill_logits_and_greedy_match_transformers(tiny, cpu_path) -> None:
     hf, ours, _ = tiny
+    path, stack_calls = cpu_path
     with torch.inference_mode():
         got = PagedDriver(ours).step([("a", PROMPT)])[0]
         tokens = PagedDriver(ours, seed=7).greedy("a", PROMPT, 12)
     torch.testing.assert_close(got, _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
     assert tokens == _hf_greedy(hf, PROMPT, 12)
+    # Mistral and Qwen2 ran in the one-call stack, window and all; the Gemmas never.
+    assert bool(stack_calls) == (path == "c-kernels" and ours.small_batch.available)
 
 
-def test_chunked_prefill_and_mixed_batch_match_transformers(tiny, cpu_path: str) -> None:
+def test_chunked_prefill_and_mixed_batch_match_transformers(tiny, cpu_path) -> None:
     """Chunks of 5 (each past the first has context, some of it out of the window) next to
     a decode and a fresh prompt longer than the window in one step."""
     hf, ours, _ = tiny
