@@ -163,7 +163,8 @@ def test_small_batch_stack_refuses_what_it_does_not_compute(tiny) -> None:
     name, _, folder = tiny
     refusal = _load(folder).small_batch.refusal
     expected = {"phi4_partial": "partial rotary", "granite": "a residual multiplier",
-                "olmo2": "norms after the attention and MLP blocks (post-norm layers)",
+                "olmo2": "norms after the attention and MLP blocks (post-norm layers), "
+                         "q/k norm over the whole projection",
                 "smollm3": "layers without rotary (NoPE)"}
     assert refusal == expected.get(name)
 

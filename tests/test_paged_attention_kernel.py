@@ -58,12 +58,15 @@ class Step:
     def slot(self, i: int, pos: int) -> int:
         return int(self.tables[i, pos // self.block_size]) * self.block_size + pos % self.block_size
 
-    def run(self) -> torch.Tensor:
+    def run(self, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         kc, vc = self.k_cache.clone(), self.v_cache.clone()
         scale = 1 / math.sqrt(self.q.shape[-1])
-        return paged_attention(self.q, self.k, self.v, kc, vc, self.meta, scale)
+        return paged_attention(self.q, self.k, self.v, kc, vc, self.meta, scale, window,
+                               softcap)
 
-    def oracle(self) -> torch.Tensor:
+    def oracle(self, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Position ``pos`` sees ``max(0, pos - window + 1) .. pos``; scores capped as
+        ``softcap * tanh(s / softcap)``."""
         heads, d = self.heads, self.q.shape[-1]
         kv_heads = self.k.shape[1]
         out = torch.empty(self.q.shape[0], heads * d, dtype=torch.float64)
@@ -78,10 +81,14 @@ class Step:
                 row, pos = self.qsl[i] + j, ctx + j
                 for h in range(heads):
                     kvh = h // (heads // kv_heads)
-                    kv = [key_val(p, kvh) for p in range(pos + 1)]
+                    first = 0 if window is None else max(0, pos - window + 1)
+                    kv = [key_val(p, kvh) for p in range(first, pos + 1)]
                     keys = torch.stack([kk for kk, _ in kv]).double()
                     vals = torch.stack([vv for _, vv in kv]).double()
-                    probs = torch.softmax(keys @ self.q[row, h].double() / math.sqrt(d), 0)
+                    scores = keys @ self.q[row, h].double() / math.sqrt(d)
+                    if softcap is not None:
+                        scores = softcap * torch.tanh(scores / softcap)
+                    probs = torch.softmax(scores, 0)
                     out[row, h * d:(h + 1) * d] = probs @ vals
         return out
 
@@ -167,3 +174,55 @@ def test_c_attention_reads_only_each_tokens_visible_positions() -> None:
     got = step.run()
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), step.oracle(), atol=1e-5, rtol=1e-5)
+
+
+# Sliding windows (and Gemma 2's score soft-capping): (case, window, softcap). Windows at,
+# inside and across block edges; contexts shorter than the window too (window 40).
+WINDOW_CASES = [(1, 4, None), (2, 7, None), (3, 16, 2.5), (4, 5, None), (5, 40, None),
+                (7, 3, 1.5), (0, 16, None), (6, 2, None)]
+
+
+def _window_ids() -> list[str]:
+    return [f"case{c}-w{w}-cap{cap}" for c, w, cap in WINDOW_CASES]
+
+
+@needs_kernels
+@pytest.mark.parametrize(("case", "window", "softcap"), WINDOW_CASES, ids=_window_ids())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_sliding_window_attention_matches_float64_oracle(
+        case: int, window: int, softcap: float | None, dtype: torch.dtype) -> None:
+    step = Step(case, *CASES[case], dtype)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(step.run(window, softcap).double(),
+                               step.oracle(window, softcap), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("case", "window", "softcap"), WINDOW_CASES, ids=_window_ids())
+def test_torch_sliding_window_attention_matches_float64_oracle(
+        case: int, window: int, softcap: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    _force_torch_path(monkeypatch)
+    step = Step(case, *CASES[case], torch.float32)
+    torch.testing.assert_close(step.run(window, softcap).double(),
+                               step.oracle(window, softcap), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_sliding_window_attention_never_reads_blocks_before_the_window(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block that holds only positions before the earliest window of its sequence's
+    tokens this step is NaN (what a freed, reused block may hold): the output stays
+    finite and right."""
+    if path == "torch":
+        _force_torch_path(monkeypatch)
+    elif cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    window, bs = 5, 4
+    step = Step(11, [(30, 1), (21, 6), (0, 9), (13, 1)], 4, 2, bs, 16, torch.float32)
+    for i, (ctx, _) in enumerate(step.seqs):
+        for j in range(max(0, ctx - window + 1) // bs):
+            blk = int(step.tables[i, j])
+            step.k_cache[blk] = float("nan")
+            step.v_cache[blk] = float("nan")
+    got = step.run(window)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), step.oracle(window), atol=1e-5, rtol=1e-5)

@@ -21,6 +21,13 @@ SDPA instead, one call per run of adjacent chunks of one length. Elsewhere, or w
 the kernels could not be built, the torch path below computes the same function: decodes in
 one batched gather + matmul call, prefill chunks with SDPA one sequence at a time.
 
+A sliding-window layer (``window`` W) lets the token at position ``p`` attend to positions
+``p - W + 1 … p`` (transformers' convention), and Gemma 2 soft-caps the scaled scores
+(``softcap``): both paths take them per call. The C kernel starts each token's walk at the
+block holding its window's first position; the torch path gathers from that block on (a
+window view of the step's metadata, built once per step and window), so blocks wholly
+before a window are never read: the KV cache manager may free them.
+
 Everything that depends only on the batch shape (gather indices, masks) is computed once per
 step, by ``AttentionMetadata`` on the first layer's request (the torch path's indices and
 masks only if that path runs), so that the per-layer path is a handful of tensor ops with no
@@ -71,6 +78,8 @@ class PrefillSpan:
     mask: torch.Tensor | None
     # Gather indices of the context runs, built by the first layer (needs the head count).
     context_runs: torch.Tensor | None = None
+    # Position of the first gathered context key (a sliding window starts past 0).
+    context_start: int = 0
 
 
 @dataclass(slots=True)
@@ -113,6 +122,34 @@ class AttentionMetadata:
     # token; built on first use.
     fresh_runs: list[tuple[int, int, int]] | None = None
     kernel_ranges: list[tuple[int, int]] | None = None
+    # A window view's window (torch path of a sliding layer): keys before it are neither
+    # gathered nor attended. Views by window, built on first use (:meth:`windowed`).
+    window: int | None = None
+    window_views: dict[int, AttentionMetadata] = field(default_factory=dict)
+    # Sliding-window causal masks of fresh prompts, by (length, window).
+    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def windowed(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with this sliding ``window`` reads in the torch path (self
+        when no sequence is longer than the window)."""
+        if window is None or max(self.seq_lens) <= window:
+            return self
+        view = self.window_views.get(window)
+        if view is None:
+            view = AttentionMetadata.build(self.query_start_loc, self.seq_lens,
+                                           self.block_tables, self.slot_mapping,
+                                           self.block_size, self.block_tables.device)
+            view.window = window
+            self.window_views[window] = view
+        return view
+
+    def window_mask(self, length: int, window: int) -> torch.Tensor:
+        """``[length, length]`` bool: causal, and at most ``window`` keys back."""
+        mask = self.window_masks.get((length, window))
+        if mask is None:
+            mask = _window_mask(length, length, 0, 0, window, self.block_tables.device)
+            self.window_masks[(length, window)] = mask
+        return mask
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(token_seq, token_len)`` for :func:`cpu_kernels.paged_attention`."""
@@ -195,12 +232,21 @@ class AttentionMetadata:
             return
         self.torch_path_ready = True
         device = self.block_tables.device
+        w, bs = self.window, self.block_size
         for span in self.prefills:
             q_len = span.end - span.start
             ctx = span.seq_len - q_len
-            if ctx > 0:
-                span.context_blocks = self.block_tables[
-                    span.seq, : -(-span.seq_len // self.block_size)]
+            if w is not None and span.seq_len > w:
+                # From the block of the first query's first visible key on.
+                first_block = max(0, ctx - w + 1) // bs if ctx > 0 else 0
+                span.context_start = first_block * bs
+                if ctx > 0:
+                    span.context_blocks = self.block_tables[
+                        span.seq, first_block: -(-span.seq_len // bs)]
+                span.mask = _window_mask(q_len, span.seq_len - span.context_start, ctx,
+                                         span.context_start, w, device)
+            elif ctx > 0:
+                span.context_blocks = self.block_tables[span.seq, : -(-span.seq_len // bs)]
                 span.mask = torch.ones(q_len, span.seq_len, dtype=torch.bool,
                                        device=device).tril(ctx)
         if self.decode_seq_idx:
@@ -214,18 +260,75 @@ class AttentionMetadata:
             self.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
         lens_list = [self.seq_lens[i] for i in dec_idx]
         bs = self.block_size
-        n_blocks = -(-max(lens_list) // bs)
         if len(dec_idx) == self.block_tables.shape[0]:
             tables = self.block_tables
         else:
             tables = self.block_tables.index_select(
                 0, torch.tensor(dec_idx, dtype=torch.long, device=device))
+        if self.window is not None:
+            self._build_window_decode(lens_list, tables, self.window, device)
+            return
+        n_blocks = -(-max(lens_list) // bs)
         self.decode_blocks = tables[:, :n_blocks]
         self.decode_max_ctx = n_blocks * bs
         if min(lens_list) != self.decode_max_ctx:
             pos = torch.arange(self.decode_max_ctx, device=device)
             lens = torch.tensor(lens_list, dtype=torch.long, device=device)
             self.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+
+
+    def _build_window_decode(self, lens_list: list[int], tables: torch.Tensor, window: int,
+                             device: torch.device) -> None:
+        """Each decode gathers from the block of its window's first position on; the
+        gathers have one width (the widest), the positions outside the window masked."""
+        bs = self.block_size
+        firsts = [max(0, n - window) for n in lens_list]
+        starts = [f // bs for f in firsts]
+        n_blocks = max(-(-n // bs) - s for n, s in zip(lens_list, starts, strict=True))
+        cols = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + torch.arange(
+            n_blocks, device=device)
+        # Columns past a sequence's last block only pad (masked): they repeat that block, a
+        # live one, so that no freed block is read.
+        last = torch.tensor([-(-n // bs) - 1 for n in lens_list], dtype=torch.long,
+                            device=device)[:, None]
+        self.decode_blocks = tables.gather(1, torch.minimum(cols, last))
+        self.decode_max_ctx = n_blocks * bs
+        pos = (torch.tensor(starts, dtype=torch.long, device=device)[:, None] * bs
+               + torch.arange(self.decode_max_ctx, device=device))
+        lo = torch.tensor(firsts, dtype=torch.long, device=device)[:, None]
+        hi = torch.tensor(lens_list, dtype=torch.long, device=device)[:, None]
+        self.decode_mask = ((pos >= lo) & (pos < hi))[:, None, None, :]
+
+
+def _window_mask(q_len: int, k_len: int, q_start: int, k_start: int, window: int,
+                 device: torch.device) -> torch.Tensor:
+    """``[q_len, k_len]`` bool for queries at positions ``q_start + i`` and keys at
+    ``k_start + j``: causal, and fewer than ``window`` positions back."""
+    q = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+    k = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, causal: bool, scale: float,
+                      softcap: float | None) -> torch.Tensor:
+    """SDPA's function over ``[B, H, Q, D]`` / ``[B, KVH, K, D]``, with the scaled scores
+    soft-capped (``softcap * tanh(s / softcap)``) when ``softcap`` is set: SDPA cannot."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
+                          device=q.device).tril(k.shape[-2] - q.shape[-2])
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
 def write_kv(
@@ -248,7 +351,7 @@ def write_kv(
 
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, softcap: float | None = None,
 ) -> torch.Tensor:
     """All single-token queries of the step in one call, from tensor ops: gather the
     context densely, then two matmuls (or SDPA off the CPU); returns [B_dec, H, D]."""
@@ -270,13 +373,15 @@ def decode_attention_torch(
     kt = k_runs.index_select(0, meta.decode_runs).view(b, kvh, ctx // bs, d, bs)
     kt = kt.permute(0, 1, 3, 2, 4).reshape(b, kvh, d, ctx)
     v = v_runs.index_select(0, meta.decode_runs).view(b, kvh, ctx, d)
-    if q.device.type != "cpu":
+    if q.device.type != "cpu" and softcap is None:
         out = F.scaled_dot_product_attention(qg, kt.transpose(-1, -2), v,
                                              attn_mask=meta.decode_mask, scale=scale)
         return out.view(b, num_heads, d)
     # One query row per head: two plain matmuls beat the CPU flash kernel (about 2x in
     # bf16 at 64 sequences x 256 context); scores and softmax stay in float32.
     scores = torch.matmul(qg, kt).float().mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if meta.decode_mask is not None:
         scores.masked_fill_(~meta.decode_mask, float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
@@ -285,7 +390,7 @@ def decode_attention_torch(
 
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_runs: torch.Tensor,
-    v_runs: torch.Tensor, span: PrefillSpan, scale: float,
+    v_runs: torch.Tensor, span: PrefillSpan, scale: float, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for one prefill chunk; returns [q_len, H, D]."""
     qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
@@ -297,33 +402,28 @@ def _prefill_attention(
         if span.context_runs is None:
             span.context_runs = _head_runs(span.context_blocks, kvh)
         kt = k_runs.index_select(0, span.context_runs).view(kvh, -1, d, k_runs.shape[1] // d)
-        ks = kt.transpose(-1, -2).reshape(1, kvh, -1, d)[:, :, :span.seq_len]
-        vs = v_runs.index_select(0, span.context_runs).view(1, kvh, -1, d)[:, :, :span.seq_len]
-    gqa = qs.shape[1] != ks.shape[1]
-    if span.mask is None:
-        out = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-        )
-    else:
-        out = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=gqa
-        )
+        n_keys = span.seq_len - span.context_start
+        ks = kt.transpose(-1, -2).reshape(1, kvh, -1, d)[:, :, :n_keys]
+        vs = v_runs.index_select(0, span.context_runs).view(1, kvh, -1, d)[:, :, :n_keys]
+    out = _capped_attention(qs, ks, vs, span.mask, span.mask is None, scale, softcap)
     return out.squeeze(0).transpose(0, 1)
 
 
 def _fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                            count: int, length: int, scale: float) -> torch.Tensor:
+                            count: int, length: int, scale: float,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``count`` adjacent prompt chunks of ``length`` tokens that start
     at position 0, so their new K/V rows are their whole context; returns
-    ``[count * length, H, D]``.
+    ``[count * length, H, D]``. ``mask`` (a sliding window's) replaces the causal one.
 
     The C kernel walks each query's context row by row, which suits a decode; a prompt's
     queries all read the same keys, and SDPA's tiled kernel computes them as matrix products,
     about 4x faster for a batch of 128-token prompts in bf16 on a 2-core CPU."""
     end = start + count * length
     heads = lambda x: x[start:end].unflatten(0, (count, length)).transpose(1, 2)  # noqa: E731
-    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask,
+                                         is_causal=mask is None, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     # SDPA lays its output out token-major, so this is a view, not a copy.
     return out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2])
 
@@ -344,34 +444,48 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write k/v ([T, KVH, D]) into the cache, then attend q ([T, H, D]); returns [T, H*D]."""
+    """Write k/v ([T, KVH, D]) into the cache, then attend q ([T, H, D]); returns [T, H*D].
+
+    ``window``: a sliding-window layer's (each token sees its last ``window`` positions);
+    ``softcap``: scaled scores become ``softcap * tanh(score / softcap)``."""
     t, num_heads, d = q.shape
     if _use_kernels(q, k, v):
         cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache)
         fresh, ranges = meta.kernel_split()
+        if softcap is not None:  # SDPA cannot cap scores: every token to the C kernel
+            fresh, ranges = [], [(0, t)]
+
+        def fresh_mask(length: int) -> torch.Tensor | None:
+            return meta.window_mask(length, window) if window and length > window else None
         if not ranges and len(fresh) == 1:  # only prompts of one length: no copy into out
             start, count, length = fresh[0]
-            return _fresh_prompt_attention(q, k, v, start, count, length, scale).reshape(
-                t, num_heads * d)
+            return _fresh_prompt_attention(q, k, v, start, count, length, scale,
+                                           fresh_mask(length)).reshape(t, num_heads * d)
         token_seq, token_len = meta.token_indices()
         if not fresh:
             out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                              token_seq, token_len, scale)
+                                              token_seq, token_len, scale, None, window,
+                                              softcap)
             return out.view(t, num_heads * d)
         out = q.new_empty(t, num_heads, d)
         for lo, hi in ranges:
             cpu_kernels.paged_attention(q[lo:hi], k_cache, v_cache, meta.block_tables,
-                                        token_seq[lo:hi], token_len[lo:hi], scale, out[lo:hi])
+                                        token_seq[lo:hi], token_len[lo:hi], scale, out[lo:hi],
+                                        window, softcap)
         for start, count, length in fresh:
             out[start:start + count * length] = _fresh_prompt_attention(
-                q, k, v, start, count, length, scale)
+                q, k, v, start, count, length, scale, fresh_mask(length))
         return out.view(t, num_heads * d)
+    meta = meta.windowed(window)
     meta.build_torch_path()
     write_kv(k, v, k_cache, v_cache, meta)
     if not meta.prefills and meta.decode_row_range == (0, t):
         # Pure decode step (the common case): no scatter into a separate output.
-        return decode_attention_torch(q, k_cache, v_cache, meta, scale).reshape(t, num_heads * d)
+        return decode_attention_torch(q, k_cache, v_cache, meta, scale, softcap).reshape(
+            t, num_heads * d)
     # [num_blocks * KVH, block_size * D] views: one contiguous run per (block, head).
     k_runs = k_cache.view(-1, v_cache.shape[2] * d)
     v_runs = v_cache.view(-1, v_cache.shape[2] * d)
@@ -379,12 +493,14 @@ def paged_attention(
     if meta.decode_seq_idx:
         if meta.decode_row_range is not None:
             lo, hi = meta.decode_row_range
-            out[lo:hi] = decode_attention_torch(q[lo:hi], k_cache, v_cache, meta, scale)
+            out[lo:hi] = decode_attention_torch(q[lo:hi], k_cache, v_cache, meta, scale,
+                                                softcap)
         else:
             assert meta.decode_rows is not None
             q_dec = q.index_select(0, meta.decode_rows)
-            out.index_copy_(0, meta.decode_rows,
-                            decode_attention_torch(q_dec, k_cache, v_cache, meta, scale))
+            out.index_copy_(0, meta.decode_rows, decode_attention_torch(
+                q_dec, k_cache, v_cache, meta, scale, softcap))
     for span in meta.prefills:
-        out[span.start:span.end] = _prefill_attention(q, k, v, k_runs, v_runs, span, scale)
+        out[span.start:span.end] = _prefill_attention(q, k, v, k_runs, v_runs, span, scale,
+                                                      softcap)
     return out.view(t, num_heads * d)

@@ -21,7 +21,13 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "SmolLM3ForCausalLM",
+    "MistralForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+
+# MLP activations by their Hugging Face names (``hidden_act`` / ``hidden_activation``).
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 
 # Rope types whose inverse frequencies we know how to compute (see rotary.py); "su" is
 # Phi-3's first name for longrope.
@@ -140,10 +146,6 @@ def _moe_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     if experts < 1 or not 1 <= top_k <= experts:
         raise ModelLoadError(
             f"{arch} needs 1 <= num_experts_per_tok <= num_experts; got {top_k} of {experts}")
-    window = d.get("sliding_window")
-    if arch == "MixtralForCausalLM" and window is not None and int(window) < int(
-            d.get("max_position_embeddings") or 2048):
-        raise ModelLoadError(f"{arch} with sliding_window={window} is not supported")
     if arch == "MixtralForCausalLM":
         return {"num_experts": experts, "num_experts_per_tok": top_k,
                 "moe_intermediate_size": int(d["intermediate_size"]), "norm_topk_prob": True}
@@ -165,6 +167,69 @@ def _granite_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             "residual_multiplier": float(d.get("residual_multiplier", 1.0)),
             "attention_multiplier": float(d.get("attention_multiplier", 1.0)),
             "logits_scaling": float(d.get("logits_scaling", 1.0))}
+
+
+def _layer_types(arch: str, d: dict[str, Any], layers: int) -> tuple[list[str], int | None]:
+    """``(layer_types, sliding_window)`` from a Hugging Face config: its own ``layer_types``
+    where it has them (transformers >= 5 writes them for Gemma 2/3 and Qwen2), else the
+    pattern each family's modeling code uses. No window, or none in use: ``([], None)``."""
+    window = d.get("sliding_window")
+    if (arch.startswith("Qwen") or arch == "SmolLM3ForCausalLM") \
+            and not d.get("use_sliding_window"):
+        window = None  # these configs carry a window they do not use
+    if window is None or int(window) >= int(d.get("max_position_embeddings") or 2048):
+        return [], None  # none, or one no position can reach past
+    window = int(window)
+    if window < 1:
+        raise ModelLoadError(f"{arch}: sliding_window must be >= 1; got {window}")
+    types = d.get("layer_types")
+    if types is None:
+        if arch == "Gemma2ForCausalLM":  # even layers slide
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                     for i in range(layers)]
+        elif arch == "Gemma3ForCausalLM":  # every n-th layer is global (n = 6)
+            n = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+            types = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
+                     for i in range(layers)]
+        elif arch.startswith("Qwen"):  # layers from max_window_layers on slide
+            first = int(d.get("max_window_layers") or 0)
+            types = ["sliding_attention" if i >= first else "full_attention"
+                     for i in range(layers)]
+        else:  # Mistral, Mixtral: every layer
+            types = ["sliding_attention"] * layers
+    types = [str(t) for t in types]
+    if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ModelLoadError(
+            f"{arch}: layer_types must name full_attention or sliding_attention for each of "
+            f"the {layers} layers; got {types}")
+    return types, window
+
+
+def _gemma_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's attention scale, soft-capping and local rope base (none elsewhere).
+
+    Gemma 3 in transformers >= 5 nests its rope parameters by layer type; older configs
+    give the sliding layers' base as ``rope_local_base_freq``."""
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return {}
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar") or d["head_dim"]),
+        "attn_logit_softcapping": d.get("attn_logit_softcapping"),
+        "final_logit_softcapping": d.get("final_logit_softcapping"),
+    }
+    if arch == "Gemma3ForCausalLM":
+        local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+        out["rope_local_theta"] = float(
+            d.get("rope_local_base_freq") or local.get("rope_theta") or 10000.0)
+    return out
+
+
+def _global_rope_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with per-layer-type ``rope_parameters`` (Gemma 3) reduced to the global ones."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return {**d, "rope_parameters": params["full_attention"]}
+    return d
 
 
 @dataclass(slots=True)
@@ -234,6 +299,16 @@ class ModelConfig:
             return None
         context = self.max_model_len or self.max_position_embeddings
         return context > int(scaling["original_max_position_embeddings"])
+    # The MLP's activation (a Hugging Face name from SUPPORTED_ACTIVATIONS).
+    hidden_act: str = "silu"
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), scores
+    # soft-capped as c * tanh(s / c) for c = attn_logit_softcapping, logits likewise for
+    # final_logit_softcapping (None: no capping), and the sliding layers' rope base
+    # rope_local_theta, unscaled (None: every layer uses rope_theta and rope_scaling).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """How many positions decoder layer ``layer`` attends to (its own included), or
@@ -268,12 +343,12 @@ class ModelConfig:
                 f"unsupported model architecture {arch!r}; "
                 f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if d.get("use_sliding_window"):
+        if d.get("use_sliding_window") and not arch.startswith("Qwen"):
             raise ModelLoadError(f"{arch} with use_sliding_window=true is not supported")
         window = d.get("sliding_window")
         if arch == "Phi3ForCausalLM" and window and int(window) < int(
                 d.get("max_position_embeddings") or 2048):
-            # Phi-3-mini-4k's window of 2047; sliding-window layers are not read yet.
+            # Phi-3-mini-4k's window of 2047: not checked against transformers yet.
             raise ModelLoadError(f"{arch} with sliding_window={window} (shorter than "
                                  "max_position_embeddings) is not supported yet")
         if d.get("mlp_bias"):
@@ -281,12 +356,18 @@ class ModelConfig:
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         head_dim = int(d.get("head_dim") or hidden // heads)
-        theta, scaling = _rope_settings(d)
+        layers = int(d["num_hidden_layers"])
+        layer_types, window = _layer_types(arch, d, layers)
+        act = str(d.get("hidden_activation") or d.get("hidden_act") or "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ModelLoadError(f"{arch}: unsupported activation {act!r}; supported: "
+                                 f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+        theta, scaling = _rope_settings(_global_rope_dict(d))
         _check_freq_factors(scaling, head_dim)
         # Qwen2 always has q/k/v biases; its config does not say so.
         attention_bias = True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias"))
         moe = _moe_settings(arch, d)
-        layers = int(d["num_hidden_layers"])
+        gemma = _gemma_settings(arch, {**d, "head_dim": head_dim})
         rotary_dim = _rotary_dim(d, head_dim)
         eos = _as_id_list((generation_config or {}).get("eos_token_id"))
         if not eos:
@@ -312,5 +393,9 @@ class ModelConfig:
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             nope_layers=_nope_layers(arch, d, layers),
             **_granite_settings(arch, d),
+            layer_types=layer_types,
+            sliding_window=window,
+            hidden_act=act,
             **moe,
+            **gemma,
         )

@@ -121,7 +121,7 @@ def _load() -> ctypes.CDLL | None:
     for suffix in _DTYPE_SUFFIX.values():
         for name, args in (("paged_attention", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
                                                 _ptr, _i64, _i64, _i64, _i64, _i64,
-                                                ctypes.c_float]),
+                                                ctypes.c_float, _i64, ctypes.c_float]),
                            ("rms_norm", [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
                            ("silu_and_mul", [_ptr, _ptr, _i64, _i64]),
                            ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]),
@@ -229,15 +229,18 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, token_seq: torch.Tensor, token_len: torch.Tensor,
-    scale: float, out: torch.Tensor | None = None,
+    scale: float, out: torch.Tensor | None = None, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context.
 
     ``q`` ``[T, H, D]`` (heads contiguous within a row); caches as
     :func:`forerun.model.attention.new_kv_cache` lays them out; ``block_tables`` ``[S, W]`` int64; for each token,
     ``token_seq`` ``[T]`` is its row in ``block_tables`` and ``token_len`` ``[T]`` the number
-    of context positions it attends to (its position + 1). Returns ``[T, H, D]`` contiguous
-    (written into ``out`` when given).
+    of context positions it attends to (its position + 1). A ``window`` keeps only the last
+    ``window`` of those (a sliding-window layer; blocks before it are not read), and
+    ``softcap`` caps each scaled score as ``softcap * tanh(score / softcap)``. Returns
+    ``[T, H, D]`` contiguous (written into ``out`` when given).
     """
     _check_rows(q)
     t, num_heads, d = q.shape
@@ -252,7 +255,8 @@ def paged_attention(
     rc = _fn("paged_attention", q.dtype)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), token_seq.data_ptr(),
-        token_len.data_ptr(), out.data_ptr(), t, num_heads, kvh, bs, d, scale)
+        token_len.data_ptr(), out.data_ptr(), t, num_heads, kvh, bs, d, scale, window or 0,
+        softcap or 0.0)
     if rc != 0:
         raise MemoryError("paged attention could not allocate its scratch space")
     return out

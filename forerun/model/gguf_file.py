@@ -29,9 +29,12 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel) interleaves Q/K rows.
 _PERMUTED_ARCHS = frozenset({"llama", "granite", "smollm3"})
+_GEMMA = ("gemma2", "gemma3")
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
@@ -63,7 +66,12 @@ _BLOCK_NAMES: dict[str, str] = {
 }
 # Per architecture, block tensors whose Hugging Face name differs from _BLOCK_NAMES': Phi-3's
 # ffn_up holds gate and up rows (gate first), as its checkpoints' gate_up_proj.
-_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Gemma's sandwich norms: llama.cpp names the MLP input norm ffn_norm there too (HF
+# pre_feedforward_layernorm), the attention output's post_attention_norm.
+_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm"}
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                                                "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -79,11 +87,14 @@ _CONFIG_TENSORS = frozenset({_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT})
 # gives a GGUF the same stops.
 _LLAMA3_STOP_TEXTS = frozenset({"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"})
 # The same for the other families whose chat turns end on a token other than eos: Phi-3's
-# generation_config stops on <|end|> and <|endoftext|>, SmolLM3's on <|im_end|>.
+# generation_config stops on <|end|> and <|endoftext|>, SmolLM3's on <|im_end|>, Gemma's on
+# <end_of_turn>.
 _STOP_TEXTS: dict[str, frozenset[str]] = {
     "llama": _LLAMA3_STOP_TEXTS,
     "phi3": frozenset({"<|end|>", "<|endoftext|>"}),
     "smollm3": frozenset({"<|im_end|>", "<|end_of_text|>"}),
+    "gemma2": frozenset({"<end_of_turn>"}),
+    "gemma3": frozenset({"<end_of_turn>"}),
 }
 _CONTROL_TOKEN = 3  # llama.cpp's token type of special tokens
 
@@ -148,7 +159,52 @@ def _architecture(reader: GGUFReader) -> tuple[str, str]:
         )
     if arch == "llama" and int(_field(reader, "llama.expert_count", 0) or 0) > 0:
         hf_arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as llama with experts
+    elif arch == "llama" and int(_field(reader, "llama.attention.sliding_window", 0) or 0) > 0:
+        hf_arch = "MistralForCausalLM"  # and Mistral as llama (with its window, if any)
     return arch, hf_arch
+
+
+def _sliding_config(reader: GGUFReader, arch: str, layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` as llama.cpp reads them: the window from
+    ``{arch}.attention.sliding_window``; which layers slide from
+    ``{arch}.attention.sliding_window_pattern`` (one bool per layer, or a period n: every
+    n-th layer global), else the family's period (Gemma 2: 2, Gemma 3: 6, else every
+    layer). Gemma 2 files without the key have llama.cpp's default window, 4096."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window is None and arch == "gemma2":
+        window = 4096
+    if not window:
+        return {}
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(v) for v in pattern][:layers]
+    else:
+        n = int(pattern) if pattern is not None else {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return {"sliding_window": int(window),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+
+
+def _gemma_config(reader: GGUFReader, arch: str, hidden: int, heads: int, head_dim: int,
+                  layers: int) -> dict[str, Any]:
+    """Gemma's attention scale, soft caps and local rope base. The files do not store
+    query_pre_attn_scalar; llama.cpp (as Google's code) uses hidden / heads for the 27B
+    models (46 layers: Gemma 2; 62: Gemma 3) and head_dim for the others. A Gemma 3's
+    sliding layers rotate by ``rope.freq_base_swa`` (llama.cpp's default 10000), unscaled;
+    a Gemma 2's share the global base."""
+    if arch not in _GEMMA:
+        return {}
+    big = layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if big else head_dim,
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(_field(reader, f"{arch}.rope.freq_base_swa",
+                                                   10000.0))
+    return out
 
 
 def _moe_config(reader: GGUFReader, arch: str, hf_arch: str) -> dict[str, Any]:
@@ -250,11 +306,12 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "eos_token_id": _stop_token_ids(reader, arch),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "rope_scaling": rope_scaling,
-        # Phi-3-mini-4k's window (0 in Phi-4 files): ModelConfig refuses a short one.
-        **({"sliding_window": key("attention.sliding_window") or None}
-           if arch == "phi3" else {}),
         **_granite_config(reader, arch),
         **_moe_config(reader, arch, hf_arch),
+        **_sliding_config(reader, arch, int(key("block_count"))),
+        **_gemma_config(reader, arch, hidden, heads,
+                        int(key("attention.key_length", hidden // heads)),
+                        int(key("block_count"))),
     }
 
 
@@ -401,4 +458,8 @@ def gguf_weights(reader: GGUFReader, path: Path, skip: frozenset[str] = frozense
                 f"could not read tensor {t.name} from GGUF file {path}: {exc}"
             ) from exc
         arr = _unpermute_rows(arr, name, arch, heads, kv_heads)
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norms as 1 + w; yield Hugging Face's w
+            # (the model adds the 1 back, in float32).
+            arr = arr.astype(np.float64) - 1.0
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))

@@ -1,4 +1,4 @@
-"""Small building blocks shared by the decoder models: RMSNorm and the gated SiLU MLP.
+"""Small building blocks shared by the decoder models: RMSNorm and the gated MLP.
 
 On CPU in float32/bfloat16 both run as fused C kernels (forerun/model/cpu_kernels.py)
 where those could be built; the torch code below is the same function, used elsewhere.
@@ -53,17 +53,23 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul; ``act`` is
+    SiLU (Llama, Qwen, Mistral) or GELU with the tanh approximation (Gemma's GeGLU)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported MLP activation {act!r}")
         self.intermediate_size = intermediate_size
+        self.act = act
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if _use_kernels(gate_up):
+        if self.act == "silu" and _use_kernels(gate_up):
             return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.act == "silu":
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -1,11 +1,12 @@
 """Llama-family decoder: the base of every dense and MoE family here, which differ from it
 only by options (class attributes and ModelConfig fields): q/k norm per head (Qwen3) or over
-the whole projection (OLMo 2), norms before (Llama) or after (OLMo 2) each block, Granite's
-multipliers, partial rotary and NoPE layers."""
+the whole projection (OLMo 2), norms before (Llama) or after (OLMo 2) each block, Gemma's
+sandwich norms, (1 + w) weights, scaled embeddings and soft-capping, sliding windows
+(Mistral, Gemma), Granite's multipliers, partial rotary and NoPE layers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
@@ -26,7 +27,8 @@ QKNorm = Literal["head", "full"] | None
 
 
 class DecoderAttention(nn.Module):
-    """Self-attention with fused q/k/v projection, optional q/k norm, paged cache."""
+    """Self-attention with fused q/k/v projection, optional q/k norm, paged cache;
+    decoder layer ``layer``'s sliding window and the config's score soft-capping."""
 
     def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
                  layer: int = 0) -> None:
@@ -37,7 +39,9 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = (config.attention_multiplier if config.attention_multiplier is not None
-                      else self.head_dim**-0.5)
+                      else (config.query_pre_attn_scalar or self.head_dim) ** -0.5)
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_logit_softcapping
         # SmolLM3's NoPE layers attend without positions.
         self.use_rope = layer not in config.nope_layers
         self.qkv_proj = nn.Linear(
@@ -70,7 +74,8 @@ class DecoderAttention(nn.Module):
         if self.use_rope:
             q = apply_rotary(q, rotary)
             k = apply_rotary(k, rotary)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              self.window, self.softcap)
         return self.o_proj(out)
 
 
@@ -140,12 +145,44 @@ class PostNormDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
 
 
+class SandwichNormDecoderLayer(DecoderLayer):
+    """Gemma 2/3's block: the pre-norm block with the attention and MLP outputs normed too,
+    before their residual adds: ``post_attention_layernorm`` norms the attention output and
+    ``pre_feedforward_layernorm`` the MLP input (Llama's ``post_attention_layernorm``)."""
+
+    def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
+                 mlp: nn.Module, layer: int = 0) -> None:
+        super().__init__(config, o_proj_bias, qk_norm, mlp, layer)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryTables,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as :meth:`DecoderLayer.forward`."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, rotary, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm.forward_with_residual(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+LayerClass = type[DecoderLayer] | type[PostNormDecoderLayer]
+
+
 class DecoderStack(nn.Module):
     """Embedding, the decoder layers and the final norm (``model.*`` in checkpoints)."""
 
     def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
-                 make_mlp: Callable[[int], nn.Module],
-                 layer_cls: type[DecoderLayer] | type[PostNormDecoderLayer] = DecoderLayer
+                 make_mlp: Callable[[int], nn.Module], layer_cls: LayerClass = DecoderLayer
                  ) -> None:
         super().__init__()
         # An explicit (empty) weight skips nn.Embedding's random init: on the meta device
@@ -161,13 +198,18 @@ class DecoderStack(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama / SmolLM / Mistral-style dense decoder."""
+    """Llama / SmolLM-style dense decoder, and the base of the other families."""
 
     # Qwen2 keeps q/k/v biases but has none on o_proj; Llama and Qwen3 tie both to one flag.
     o_proj_follows_attention_bias: bool = True
     qk_norm: QKNorm = None
-    # Norms before each block (Llama) or after (OLMo 2).
-    decoder_layer_cls: type[DecoderLayer] | type[PostNormDecoderLayer] = DecoderLayer
+    # Norms before each block (Llama), after (OLMo 2) or both (Gemma).
+    decoder_layer_cls: LayerClass = DecoderLayer
+    # Gemma: its checkpoints' RMSNorm weights w scale by (1 + w), so every norm holds
+    # w + norm_offset (added at load: one multiply per norm, and the C kernel unchanged);
+    # embeddings scaled by sqrt(hidden_size).
+    norm_offset: float = 0.0
+    scale_embeddings: bool = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -185,6 +227,9 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.rope_dim, config.max_position_embeddings,
                                       bool(config.uses_long_rope_factors()))
+        # Gemma 3's sliding layers rotate by their own (unscaled) base.
+        self.rotary_local = (None if config.rope_local_theta is None else
+                             RotaryEmbedding(config.head_dim, config.rope_local_theta, None))
         # The tied output projection in oneDNN's layout, next to the embedding it shares
         # values with (the embedding lookup needs the plain rows); set by ``prepack``.
         self.packed_tied_head: PackedLinear | None = None
@@ -200,7 +245,8 @@ class LlamaForCausalLM(CausalLM):
 
     def make_mlp(self, layer: int) -> nn.Module:
         """Decoder layer ``layer``'s MLP: the dense gated SiLU MLP (the MoE models override)."""
-        return GatedMLP(self.config.hidden_size, self.config.intermediate_size)
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size,
+                        self.config.hidden_act)
 
     def packed_shards(self) -> dict[str, Shard]:
         c = self.config
@@ -214,6 +260,13 @@ class LlamaForCausalLM(CausalLM):
             "gate_proj": ("gate_up_proj", 0, i),
             "up_proj": ("gate_up_proj", i, i),
         }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.norm_offset:
+            # In float32, as Gemma's own norm adds it (then one rounding to the model dtype).
+            weights = ((n, t.float() + self.norm_offset if n.endswith("norm.weight") else t)
+                       for n, t in weights)
+        super().load_weights(weights)
 
     def skip_weight(self, name: str) -> bool:
         if self.lm_head is None and name == "lm_head.weight":
@@ -229,18 +282,23 @@ class LlamaForCausalLM(CausalLM):
         intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rotary = self.rotary.tables(positions)
+        local = rotary if self.rotary_local is None else self.rotary_local.tables(positions)
         residual: torch.Tensor | None = None
         if intermediate is None:
             x = self.model.embed_tokens(input_ids)
             if self.config.embedding_multiplier != 1.0:
                 x = x * self.config.embedding_multiplier
+            if self.scale_embeddings:
+                # The factor rounded to the model dtype first, as Gemma does.
+                x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
             if self.small_batch.applies(x) and len(self.model.layers) > 0:
                 return self.small_batch.forward(x, rotary.cos_half, rotary.sin_half,
                                                 kv_caches, attn_metadata)
         else:
             x, residual = intermediate[0], intermediate[1]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rotary, kv_cache, attn_metadata)
+            tables = local if layer.self_attn.window is not None else rotary
+            x, residual = layer(x, residual, tables, kv_cache, attn_metadata)
         if self.pp_stage is not None and not self.pp_stage.is_last:
             assert residual is not None  # every stage holds at least one layer
             return torch.stack([x, residual])
@@ -252,6 +310,9 @@ class LlamaForCausalLM(CausalLM):
         logits = self._logits(hidden)
         if self.config.logits_scaling != 1.0:  # Granite divides its logits
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap).mul_(cap)
         return logits
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

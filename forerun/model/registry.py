@@ -5,8 +5,10 @@ from __future__ import annotations
 from forerun.model.base import CausalLM
 from forerun.model.config import SUPPORTED_ARCHITECTURES
 from forerun.model.errors import ModelLoadError
+from forerun.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from forerun.model.granite import GraniteForCausalLM
 from forerun.model.llama import LlamaForCausalLM
+from forerun.model.mistral import MistralForCausalLM
 from forerun.model.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
 from forerun.model.olmo2 import Olmo2ForCausalLM
 from forerun.model.phi3 import Phi3ForCausalLM
@@ -24,6 +26,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_NUM_LAYER_PTRS = 14  # the enum at the top of decoder_stack.c
+_NUM_LAYER_PTRS = 15  # the enum at the top of decoder_stack.c
 _MAX_TABLES = 8
 
 
@@ -63,28 +63,42 @@ class _StackArgs(ctypes.Structure):
     ]
 
 
-def unsupported_feature(model: LlamaForCausalLM) -> str | None:
-    """What in ``model`` decoder_stack.c does not compute, or None if it computes it all.
+def unsupported_features(model: LlamaForCausalLM) -> list[str]:
+    """What the model does that ``decoder_stack.c`` does not (empty: the stack runs it
+    exactly).
 
-    The C stack runs pre-norm blocks with per-head q/k norm, rotary over the whole head in
-    every layer, and a residual add without a multiplier; embedding multipliers and logit
-    scaling run outside it (in Python), and the attention scale is passed in.
+    The C stack runs pre-norm Llama blocks (optionally per-head q/k norm, biases, MoE, a
+    per-layer sliding window) with rotary over the whole head in every layer and a residual
+    add without a multiplier; embedding multipliers and logit scaling or soft-capping run
+    outside it (in Python), and the attention scale is passed in.
     """
-    from forerun.model.llama import DecoderLayer  # llama imports this module
+    from forerun.model.llama import DecoderLayer, SandwichNormDecoderLayer
 
     cfg = model.config
     layers = list(model.model.layers)
-    if not all(type(layer) is DecoderLayer for layer in layers):
-        return "norms after the attention and MLP blocks (post-norm layers)"
+    found = []
+    if any(isinstance(layer, SandwichNormDecoderLayer) for layer in layers) \
+            or model.norm_offset:
+        found.append("Gemma norms")
+    elif not all(type(layer) is DecoderLayer for layer in layers):
+        found.append("norms after the attention and MLP blocks (post-norm layers)")
     if any(layer.self_attn.qk_norm == "full" for layer in layers):
-        return "q/k norm over the whole projection"
+        found.append("q/k norm over the whole projection")
     if cfg.rope_dim != cfg.head_dim:
-        return "partial rotary"
+        found.append("partial rotary")
     if cfg.nope_layers:
-        return "layers without rotary (NoPE)"
+        found.append("layers without rotary (NoPE)")
     if cfg.residual_multiplier != 1.0:
-        return "a residual multiplier"
-    return None
+        found.append("a residual multiplier")
+    if model.scale_embeddings:
+        found.append("embedding scale")
+    if cfg.hidden_act != "silu":
+        found.append(f"{cfg.hidden_act} MLP")
+    if cfg.attn_logit_softcapping:
+        found.append("attention soft-capping")
+    if cfg.rope_local_theta is not None:
+        found.append("per-layer rope")
+    return found
 
 
 def _addr(t: torch.Tensor | None) -> int:
@@ -123,11 +137,13 @@ class SmallBatchStack:
         # Asked every step (applies): whether any layer is a mixture of experts.
         self._has_moe = any(isinstance(layer.mlp, FusedMoE) for layer in model.model.layers)
         # False once prepacking dropped the plain weights without a packed copy here, or
-        # from the start for a model whose layers the C stack does not compute.
-        self.refusal = unsupported_feature(model)
+        # from the start for a model with a feature the C stack does not implement.
+        missing = unsupported_features(model)
+        self.refusal = ", ".join(missing) if missing else None
         self.available = self.refusal is None
         if self.refusal is not None:
-            logger.info("small-batch path off for %s: %s", cfg.architecture, self.refusal)
+            logger.info("small-batch path off for %s: the C stack has no %s",
+                        cfg.architecture, self.refusal)
         # bfloat16 packs column pairs: every inner dimension must be even.
         self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
                                               cfg.num_attention_heads * cfg.head_dim))
@@ -285,6 +301,7 @@ class SmallBatchStack:
                     w.get(f"{i}.down", 0),
                     0, 0,
                     router, experts,
+                    self.model.config.layer_window(i) or 0,
                 ])
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
                 -1, _NUM_LAYER_PTRS)
