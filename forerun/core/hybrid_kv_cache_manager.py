@@ -38,6 +38,8 @@ class HybridKVCacheManager(KVCacheManager):
     - ``num_blocks`` counts usable blocks (the pool less the null block).
     """
 
+    releases_blocks_while_running = True
+
     def __init__(self, groups: Sequence[KVCacheGroupSpec], num_blocks: int, block_size: int,
                  enable_caching: bool = True) -> None:
         if len(groups) < 2:
@@ -225,3 +227,14 @@ class HybridKVCacheManager(KVCacheManager):
         group_blocks = self.group_req_to_blocks.pop(request.request_id, ())
         null = self.null_block
         return [b for blocks in group_blocks for b in reversed(blocks) if b is not null]
+
+
+def make_kv_cache_manager(groups: Sequence[KVCacheGroupSpec], num_blocks: int, block_size: int,
+                          enable_caching: bool = True) -> KVCacheManager:
+    """The one-group manager (every model without sliding layers) or the hybrid one."""
+    if len(groups) == 1:
+        return KVCacheManager(num_blocks, block_size, enable_caching)
+    logger.info("hybrid KV cache: %s", ", ".join(
+        f"{g.spec.attention_type}/{g.spec.sliding_window} x{len(g.layer_indices)}"
+        for g in groups))
+    return HybridKVCacheManager(groups, num_blocks, block_size, enable_caching)

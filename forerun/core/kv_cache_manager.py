@@ -27,6 +27,9 @@ class KVCacheManager:
     because a step still in flight may write them. The scheduler numbers the steps.
     """
 
+    # Whether allocate_slots may release blocks of a running request (a sliding window).
+    releases_blocks_while_running = False
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching

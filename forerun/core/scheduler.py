@@ -68,6 +68,7 @@ class Scheduler:
         self._outputs_without_step: list[EngineCoreOutput] = []
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
+        self._kv_releases_while_running = kv_cache_manager.releases_blocks_while_running
         self.max_model_len = config.max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -209,9 +210,11 @@ class Scheduler:
                 continue
             new_blocks = None
             while True:
-                # The fence covers sliding-window blocks this step no longer sees.
+                # The fence covers sliding-window blocks this step no longer sees (one
+                # full-attention group releases none: no fence to compute).
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, n, fence_step_seq=self._free_fence(request))
+                    request, n, fence_step_seq=self._free_fence(request)
+                    if self._kv_releases_while_running else None)
                 if new_blocks is not None:
                     break
                 if self.kv_cache_manager.deferred_blocks_would_fit(request, n):
