@@ -156,7 +156,8 @@ class Harness:
         for rid, n in so.num_scheduled_tokens.items():
             self.scheduled_tokens[rid] += n
         record = StepRecord(so, sampling, self.scheduler.sched_step_seq)
-        self._record_touched(so, record)
+        if self.check:  # only the invariants read it (and benchmarks run unchecked)
+            self._record_touched(so, record)
         self.in_flight.append(record)
         self._after_event()
         for hook in self.on_schedule:

@@ -27,7 +27,8 @@ class KVCacheManager:
     because a step still in flight may write them. The scheduler numbers the steps.
     """
 
-    # Whether allocate_slots may release blocks of a running request (a sliding window).
+    # Whether allocate_slots may release blocks of a running request (a sliding window;
+    # only the hybrid manager, which has several groups).
     releases_blocks_while_running = False
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:

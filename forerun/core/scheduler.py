@@ -68,7 +68,9 @@ class Scheduler:
         self._outputs_without_step: list[EngineCoreOutput] = []
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        self._kv_releases_while_running = kv_cache_manager.releases_blocks_while_running
+        # One KV cache group (every model without sliding layers): the fast path, which
+        # releases no block of a running request and sends a tuple of one block list.
+        self._one_kv_group = not kv_cache_manager.releases_blocks_while_running
         self.max_model_len = config.max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -213,8 +215,8 @@ class Scheduler:
                 # The fence covers sliding-window blocks this step no longer sees (one
                 # full-attention group releases none: no fence to compute).
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, n, fence_step_seq=self._free_fence(request)
-                    if self._kv_releases_while_running else None)
+                    request, n, fence_step_seq=None if self._one_kv_group
+                    else self._free_fence(request))
                 if new_blocks is not None:
                     break
                 if self.kv_cache_manager.deferred_blocks_would_fit(request, n):
@@ -231,7 +233,11 @@ class Scheduler:
                 continue
             scheduled_running.append(request)
             num_scheduled[request.request_id] = n
-            new_blocks_of[request.request_id] = self.kv_cache_manager.block_ids_of(new_blocks)
+            if self._one_kv_group:
+                new_blocks_of[request.request_id] = ([b.block_id for b in new_blocks],)
+            else:
+                new_blocks_of[request.request_id] = self.kv_cache_manager.block_ids_of(
+                    new_blocks)
             # The tail of n beyond the known and promised tokens is drafts.
             num_spec = n + request.num_computed_tokens - request.num_tokens \
                 - request.num_output_placeholders
