@@ -180,10 +180,17 @@ class HybridKVCacheManager(KVCacheManager):
         group_blocks = self.group_req_to_blocks.get(rid)
         computed = request.num_computed_tokens + num_new_computed_tokens
         total = computed + num_new_tokens
+        num_total_blocks = cdiv(total, self.block_size)
         if group_blocks is not None:
             self.remove_skipped_blocks(rid, computed, fence_step_seq)
+            if (not new_computed_blocks and not num_reserved_tokens
+                    and num_total_blocks <= len(group_blocks[0])):
+                # Most decode steps: room in the last blocks (every group's table has the
+                # same length).
+                if self.enable_caching:
+                    self.cache_blocks(request, min(total, request.num_tokens))
+                return tuple([] for _ in group_blocks)
         hits = new_computed_blocks or ()
-        num_total_blocks = cdiv(total, self.block_size)
         need: list[int] = []
         num_evictable_hits = reserve = 0
         for gid, manager in enumerate(self.managers):
