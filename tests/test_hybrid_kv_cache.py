@@ -129,6 +129,11 @@ def test_a_released_window_block_stays_cached_for_a_later_hit():
     sliding = kv.get_group_blocks("a")[1]
     assert sliding[:3] == [kv.null_block] * 3 and kv.null_block not in sliding[3:]
     assert kv.num_live_blocks("a") == 6 + 3
+    # Released without a fence (nothing in flight): back in the pool at once. The pool's
+    # null block is not counted.
+    stats = kv.make_stats()
+    assert (stats.num_blocks, stats.num_free_blocks) == (40, 40 - 9)
+    assert stats.usage == pytest.approx(9 / 40)
     b = make_request("b", list(range(100, 116)) + [1, 2], 4, BS)
     # 16 tokens of b are cached in the full group. Of the sliding blocks 2 and 3 that the
     # hit needs, 2 left a's window (free, still cached) and 3 is still a's.
