@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 
 from forerun.core.async_scheduler import AsyncScheduler
 from forerun.core.block_hash import make_block_hasher
-from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.block_pool import KVCacheBlock
+from forerun.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from forerun.core.kv_cache_manager import KVCacheManager, cdiv
+from forerun.core.kv_cache_spec import KVCacheGroupSpec
 from forerun.core.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.engine.core import EngineCore
@@ -60,6 +63,10 @@ class StepRecord:
 
     so: SchedulerOutput
     sampling: set[str]  # requests this step will sample a token for
+    seq: int = 0  # the scheduler's step sequence number (the fence's unit)
+    # Per request, the block ids this step reads or writes, from the worker's view of the
+    # request's block tables (the window's blocks only, in a sliding group).
+    touched: dict[str, set[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +91,8 @@ class Harness:
     # The scheduler's pipeline rules (about 1/pp of the requests per step, no request whose
     # last sample is in the newest pp - 1 steps); the fake worker has no stages.
     pipeline_parallel_size: int = 1
+    # Two or more: a HybridKVCacheManager with these groups (num_blocks usable blocks).
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None
 
     def __post_init__(self) -> None:
         defer = self.defer_block_free
@@ -97,7 +106,12 @@ class Harness:
             num_speculative_tokens=self.num_speculative_tokens,
             pipeline_parallel_size=self.pipeline_parallel_size,
         )
-        kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching)
+        kv: KVCacheManager
+        if self.kv_cache_groups is not None and len(self.kv_cache_groups) > 1:
+            kv = HybridKVCacheManager(self.kv_cache_groups, self.num_blocks, self.block_size,
+                                      self.enable_caching)
+        else:
+            kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler: Scheduler = cls(config, kv)
         self.kv = kv
@@ -107,6 +121,12 @@ class Harness:
         self.engine = EngineCore(self.scheduler, self.executor,
                                  max_concurrent_batches=self.depth)
         self.in_flight: deque[StepRecord] = deque()
+        # The worker's block tables (what the scheduler sent), per request and group, and
+        # where each running request's newest scheduled step started.
+        self.worker_tables: dict[str, list[list[int]]] = {}
+        self.step_start: dict[str, int] = {}
+        # Most real blocks a request held in each sliding group (the admission bound test).
+        self.max_live_sliding: dict[str, int] = {}
         self.last_preempt_step: dict[str, int] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finish_reason: dict[str, str | None] = {}
@@ -135,7 +155,10 @@ class Harness:
         }
         for rid, n in so.num_scheduled_tokens.items():
             self.scheduled_tokens[rid] += n
-        self.in_flight.append(StepRecord(so, sampling))
+        record = StepRecord(so, sampling, self.scheduler.sched_step_seq)
+        if self.check:  # only the invariants read it (and benchmarks run unchecked)
+            self._record_touched(so, record)
+        self.in_flight.append(record)
         self._after_event()
         for hook in self.on_schedule:
             hook(so)
@@ -150,6 +173,31 @@ class Harness:
         for hook in self.on_update:
             hook(so)
         return outputs
+
+    def _record_touched(self, so: SchedulerOutput, record: StepRecord) -> None:
+        """Follow the worker's tables and note which blocks each request's step uses."""
+        for new in so.scheduled_new_reqs:
+            self.worker_tables[new.req_id] = [list(ids) for ids in new.block_ids]
+        cached = so.scheduled_cached_reqs
+        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            for table, ids in zip(self.worker_tables[rid], new_ids, strict=True):
+                table.extend(ids)
+        bs, kv = self.block_size, self.kv
+        null = kv.null_block.block_id if isinstance(kv, HybridKVCacheManager) else None
+        for rid, n in so.num_scheduled_tokens.items():
+            start = self.scheduler.requests[rid].num_computed_tokens - n
+            self.step_start[rid] = start
+            end_block = cdiv(start + n, bs)
+            touched: set[int] = set()
+            for gid, table in enumerate(self.worker_tables[rid]):
+                assert len(table) >= end_block, (rid, gid, len(table), start, n)
+                lo = 0
+                if isinstance(kv, HybridKVCacheManager):
+                    lo = kv.managers[gid].first_visible_block(start)
+                ids = table[lo:end_block]
+                assert null not in ids, ("a step reads or writes the null block", rid, gid)
+                touched.update(ids)
+            record.touched[rid] = touched
 
     def _after_event(self) -> None:
         self.num_events += 1
@@ -198,7 +246,18 @@ class Harness:
         assert not kv.deferred_frees
         assert not kv.req_to_blocks and not kv.num_cached_block
         assert kv.num_free_blocks == self.num_blocks
-        assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+        if isinstance(kv, HybridKVCacheManager):
+            assert not kv.group_req_to_blocks
+            assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks if b is not kv.null_block)
+        else:
+            assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+def block_tables(kv: KVCacheManager) -> dict[str, tuple[list[KVCacheBlock], ...]]:
+    """Each request's block list per KV cache group (one group for KVCacheManager)."""
+    if isinstance(kv, HybridKVCacheManager):
+        return kv.group_req_to_blocks
+    return {rid: (blocks,) for rid, blocks in kv.req_to_blocks.items()}
 
 
 def check_invariants(h: Harness) -> None:
@@ -252,27 +311,40 @@ def check_invariants(h: Harness) -> None:
             assert rid not in kv.num_cached_block, r
 
     # Block ownership: every reference is accounted for by a holder or a deferred entry.
-    assert set(kv.req_to_blocks) <= set(running_ids), (set(kv.req_to_blocks), running_ids)
+    hybrid = isinstance(kv, HybridKVCacheManager)
+    null = kv.null_block if hybrid else None
+    tables = block_tables(kv)
+    if hybrid:
+        assert not kv.req_to_blocks
+        assert null is not None and null.ref_cnt == 1 and null.block_hash is None
+    assert set(tables) <= set(running_ids), (set(tables), running_ids)
     refs: Counter[int] = Counter()
     holders: dict[int, set[str]] = {}
-    for rid, blocks in kv.req_to_blocks.items():
-        assert blocks, rid
-        ids = [b.block_id for b in blocks]
+    for rid, groups in tables.items():
+        assert len(groups) == (kv.num_groups if hybrid else 1), rid
+        # Every group's table covers the same positions.
+        assert all(len(g) == len(groups[0]) for g in groups), rid
+        real = [b for g in groups for b in g if b is not null]
+        assert real, rid
+        ids = [b.block_id for b in real]
         assert len(set(ids)) == len(ids), (rid, ids)
-        for b in blocks:
+        for b in real:
             refs[b.block_id] += 1
             holders.setdefault(b.block_id, set()).add(rid)
     deferred_ids: set[int] = set()
+    parked_until: dict[int, int] = {}  # block id -> the newest fence it is parked behind
     fences = [fence for fence, _ in kv.deferred_frees]
     assert fences == sorted(fences)
     assert not fences or fences[0] > s.processed_step_seq
     assert not fences or fences[-1] <= s.sched_step_seq
     if not s.defer_block_free:
         assert not kv.deferred_frees
-    for _, blocks in kv.deferred_frees:
+    for fence, blocks in kv.deferred_frees:
         for b in blocks:
+            assert b is not null
             refs[b.block_id] += 1
             deferred_ids.add(b.block_id)
+            parked_until[b.block_id] = max(fence, parked_until.get(b.block_id, 0))
     for bid, owners in holders.items():
         if len(owners) > 1:
             block = pool.blocks[bid]
@@ -280,24 +352,43 @@ def check_invariants(h: Harness) -> None:
     free_ids = [b.block_id for b in pool.free_block_queue]
     assert len(free_ids) == pool.get_num_free_blocks() == len(set(free_ids))
     for block in pool.blocks:
-        assert block.ref_cnt == refs[block.block_id], (block, refs[block.block_id])
+        if block is not null:
+            assert block.ref_cnt == refs[block.block_id], (block, refs[block.block_id])
     assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
     held = set(refs)
-    assert len(free_ids) + len(held) == pool.num_blocks
+    assert len(free_ids) + len(held) + (1 if hybrid else 0) == pool.num_blocks
     assert held == set(holders) | deferred_ids
 
-    # Prefix cache: only full blocks wholly below min(T, C), under the request's own hash.
-    for rid, blocks in kv.req_to_blocks.items():
+    # Every block a step in flight reads or writes is still the request's: in its table,
+    # or parked behind a fence that step has not passed (the fence, at any depth). Without
+    # the fence and more than one step in flight, frees are immediate by configuration.
+    for rec in h.in_flight if (s.defer_block_free or h.depth == 1) else ():
+        for rid, touched in rec.touched.items():
+            mine = {b.block_id for g in tables.get(rid, ()) for b in g}
+            for bid in touched:
+                assert bid in mine or parked_until.get(bid, -1) >= rec.seq, (
+                    "a block in use by a step in flight was released", rid, bid, rec.seq)
+
+    # Prefix cache: only full blocks wholly below min(T, C), under the request's own hash
+    # (keyed by group in a hybrid cache).
+    for rid, groups in tables.items():
         r = s.requests[rid]
         frontier = min(r.num_tokens, r.num_computed_tokens)
         num_cached = kv.num_cached_block.get(rid, 0)
         assert num_cached * bs <= frontier, (r, num_cached)
-        for i, b in enumerate(blocks):
-            if i < num_cached:
-                assert b.block_hash == r.block_hashes[i], (r, i, b)
-            else:
-                assert b.block_hash is None, (r, i, b)
-        assert len(blocks) * bs >= r.num_computed_tokens, (r, len(blocks))
+        for gid, blocks in enumerate(groups):
+            for i, b in enumerate(blocks):
+                if b is null:
+                    continue
+                if i < num_cached:
+                    key = kv.managers[gid].cache_key(r.block_hashes[i]) if hybrid \
+                        else r.block_hashes[i]
+                    assert b.block_hash == key, (r, gid, i, b)
+                else:
+                    assert b.block_hash is None, (r, gid, i, b)
+            assert len(blocks) * bs >= r.num_computed_tokens, (r, len(blocks))
+    if hybrid:
+        check_sliding_windows(h, tables)
     for h_, entry in pool.cached_block_hash_to_block.items():
         assert entry
         for bid, b in entry.items():
@@ -305,3 +396,23 @@ def check_invariants(h: Harness) -> None:
     hashed = {b.block_id for b in pool.blocks if b.block_hash is not None}
     in_map = {bid for e in pool.cached_block_hash_to_block.values() for bid in e}
     assert hashed == in_map
+
+
+def check_sliding_windows(h: Harness, tables: dict[str, tuple[list[KVCacheBlock], ...]]) -> None:
+    """A sliding group holds no block wholly before what its newest step can see, and every
+    block any query from ``num_computed_tokens`` on can see."""
+    kv = h.kv
+    assert isinstance(kv, HybridKVCacheManager)
+    null = kv.null_block
+    for rid, groups in tables.items():
+        r = h.scheduler.requests[rid]
+        start = h.step_start[rid]
+        for manager in kv._sliding:
+            blocks = groups[manager.group_id]
+            gone = manager.first_visible_block(start)
+            kept = manager.first_visible_block(r.num_computed_tokens)
+            assert all(b is null for b in blocks[:gone]), (rid, manager.group_id, start)
+            assert all(b is not null for b in blocks[kept:]), (rid, manager.group_id, kept)
+            live = len(blocks) - sum(1 for b in blocks if b is null)
+            key = rid
+            h.max_live_sliding[key] = max(h.max_live_sliding.get(key, 0), live)

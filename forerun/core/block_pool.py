@@ -148,6 +148,13 @@ class BlockPool:
             block.block_hash = h
             self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
 
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Publish one block under ``block_hash`` (the hybrid manager's per-group keys)."""
+        if not self.enable_caching:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; the first block given is the first to be evicted."""
         for block in ordered_blocks:

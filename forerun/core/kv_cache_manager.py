@@ -27,6 +27,10 @@ class KVCacheManager:
     because a step still in flight may write them. The scheduler numbers the steps.
     """
 
+    # Whether allocate_slots may release blocks of a running request (a sliding window;
+    # only the hybrid manager, which has several groups).
+    releases_blocks_while_running = False
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -81,6 +85,22 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per KV cache group: here the one group."""
+        return ([b.block_id for b in self.req_to_blocks[request_id]],)
+
+    def block_ids_of(self, new_blocks: list[KVCacheBlock]) -> tuple[list[int], ...]:
+        """What :meth:`allocate_slots` returned, as per-group block ids."""
+        return ([b.block_id for b in new_blocks],)
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its KV bytes: times the bytes per block)."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks one request of ``num_tokens`` positions holds at once."""
+        return cdiv(num_tokens, self.block_size)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks; the last token is always recomputed."""
         if not self.enable_caching:
@@ -103,11 +123,14 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_reserved_tokens: int = 0,
+        fence_step_seq: int | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more positions; None if the pool is too full.
 
         ``num_reserved_tokens`` asks that room for that many further tokens be free too
         (without taking it), so an admission does not start a prompt it cannot finish.
+        ``fence_step_seq`` fences blocks the allocation releases: one full-attention group
+        releases none (see HybridKVCacheManager).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])

@@ -15,7 +15,8 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]  # every known id: the prompt, plus outputs when resumed
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # One list per KV cache group (a tuple of one list for every model today).
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     # How many of prompt_token_ids are the prompt (the rest are outputs of a resumed
     # request): the worker rebuilds its penalty counts from the outputs.
@@ -35,7 +36,8 @@ class CachedRequestData:
     """
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Per request, the blocks appended to each KV cache group's table this step.
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 

@@ -68,6 +68,9 @@ class Scheduler:
         self._outputs_without_step: list[EngineCoreOutput] = []
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
+        # One KV cache group (every model without sliding layers): the fast path, which
+        # releases no block of a running request and sends a tuple of one block list.
+        self._one_kv_group = not kv_cache_manager.releases_blocks_while_running
         self.max_model_len = config.max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -86,7 +89,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        need = cdiv(request.num_tokens + 1, self.block_size)
+        # Its most blocks at once (a sliding-window group holds only its window's).
+        need = self.kv_cache_manager.max_blocks_per_request(
+            request.num_tokens + 1, self.config.max_num_batched_tokens)
         if need > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens needs {need} KV blocks but the cache "
@@ -184,7 +189,7 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         max_reqs = self._max_reqs_per_step()
         num_scheduled: dict[str, int] = {}
-        new_blocks_of: dict[str, list[int]] = {}
+        new_blocks_of: dict[str, tuple[list[int], ...]] = {}
         spec_of: dict[str, int] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
@@ -207,7 +212,11 @@ class Scheduler:
                 continue
             new_blocks = None
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, n)
+                # The fence covers sliding-window blocks this step no longer sees (one
+                # full-attention group releases none: no fence to compute).
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, n, fence_step_seq=None if self._one_kv_group
+                    else self._free_fence(request))
                 if new_blocks is not None:
                     break
                 if self.kv_cache_manager.deferred_blocks_would_fit(request, n):
@@ -224,7 +233,11 @@ class Scheduler:
                 continue
             scheduled_running.append(request)
             num_scheduled[request.request_id] = n
-            new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
+            if self._one_kv_group:
+                new_blocks_of[request.request_id] = ([b.block_id for b in new_blocks],)
+            else:
+                new_blocks_of[request.request_id] = self.kv_cache_manager.block_ids_of(
+                    new_blocks)
             # The tail of n beyond the known and promised tokens is drafts.
             num_spec = n + request.num_computed_tokens - request.num_tokens \
                 - request.num_output_placeholders
@@ -318,7 +331,7 @@ class Scheduler:
         scheduled_new: list[Request],
         scheduled_running: list[Request],
         num_scheduled: dict[str, int],
-        new_blocks_of: dict[str, list[int]],
+        new_blocks_of: dict[str, tuple[list[int], ...]],
         spec_of: dict[str, int],
     ) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
@@ -329,7 +342,7 @@ class Scheduler:
                     req_id=request.request_id,
                     prompt_token_ids=list(request.all_token_ids),
                     sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    block_ids=self.kv_cache_manager.get_group_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     num_prompt_tokens=request.num_prompt_tokens,
                     want_prompt_logprobs=request.wants_prompt_logprobs,
@@ -390,13 +403,16 @@ class Scheduler:
         self.preempted_req_ids.add(request.request_id)
         logger.debug("preempted %s", request.request_id)
 
-    def _release_blocks(self, request: Request) -> None:
-        fence = None
+    def _free_fence(self, request: Request) -> int | None:
+        """The step before whose processing the request's blocks may not be reused."""
         if self.defer_block_free and request.last_sched_seq > self.processed_step_seq:
             # A step in flight may still write the blocks. Fence on the newest scheduled
             # step: conservative, and keeps the manager's fences in order.
-            fence = self.sched_step_seq
-        self.kv_cache_manager.free(request, fence)
+            return self.sched_step_seq
+        return None
+
+    def _release_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request, self._free_fence(request))
 
     def _free_request(self, request: Request) -> None:
         self._release_blocks(request)

@@ -51,7 +51,8 @@ class InputBatch:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
             state = self.requests[req_id]
-            state.block_ids.extend(new_blocks)
+            for table, new_ids in zip(state.block_ids, new_blocks, strict=True):
+                table.extend(new_ids)
             if self.spec is None:
                 state.num_computed_tokens = computed
             else:
@@ -72,12 +73,17 @@ class InputBatch:
             key = rng.key_from_seed(params.seed)
         else:
             key = rng.random_key() if params.sampling_type == SamplingType.RANDOM else 0
+        if len(new.block_ids) != 1:
+            # The layers still read one block table (docs/kv_cache.md, what the runner
+            # must do next).
+            raise NotImplementedError(
+                f"{len(new.block_ids)} KV cache groups: the model runner handles one")
         ids = new.prompt_token_ids
         num_prompt = new.num_prompt_tokens if new.num_prompt_tokens >= 0 else len(ids)
         state = CachedRequestState(
             req_id=new.req_id,
             token_ids=ids,
-            block_ids=list(new.block_ids),
+            block_ids=tuple(list(ids_of_group) for ids_of_group in new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             sampling_params=params,
             rng_key=key,

@@ -19,7 +19,7 @@ class CachedRequestState:
 
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one block table per KV cache group
     num_computed_tokens: int
     sampling_params: SamplingParams
     rng_key: int  # the key of this request's uniforms (forerun.worker.rng)

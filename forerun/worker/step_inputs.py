@@ -109,7 +109,7 @@ class _FlatBatch:
         row0 = len(self.token_ids)
         self._add_token_ids(state, start, end, drafts)
         self.positions.extend(range(start, end))
-        blocks = state.block_ids
+        blocks = state.block_ids[0]  # one KV cache group (InputBatch refuses more)
         if n == 1:
             self.slots.append(blocks[start // bs] * bs + start % bs)
         else:
