@@ -258,7 +258,7 @@ def bodies(draw: st.DrawFn) -> tuple[str, str]:
 STATUSES: list[int] = []
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=bodies())
 def test_random_bodies_never_get_a_5xx(http: httpx.Client, case: tuple[str, str]) -> None:

@@ -11,6 +11,7 @@ rendezvous exits with the same error.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -100,35 +101,34 @@ llm.shutdown()
 """
 
 
-@pytest.mark.parametrize("how", ["stdin", "-c", "ipython", "unguarded-file"])
-def test_a_two_rank_engine_starts_from_any_kind_of_main(tiny_dir, want, tmp_path, how):
+def test_a_two_rank_engine_starts_from_any_kind_of_main(tiny_dir, want, tmp_path):
     """Spawned ranks never re-run the parent's ``__main__``: there is no file to re-run for
-    stdin, ``-c`` and IPython, and a file without a guard would start engines in its ranks."""
-    if how == "ipython":
-        pytest.importorskip("IPython")
+    stdin, ``-c`` and IPython, and a file without a guard would start engines in its ranks.
+    The four kinds run at once (their interpreters' imports overlap instead of queueing)."""
     script = SCRIPT.format(kwargs=repr(engine_kwargs(tiny_dir)), prompt=PROMPT)
-    stdin = None
-    if how == "stdin":
-        cmd = [sys.executable, "-"]
-        stdin = script
-    elif how == "-c":
-        cmd = [sys.executable, "-c", script]
-    elif how == "ipython":
-        cmd = [sys.executable, "-m", "IPython", "--no-banner", "--colors=NoColor", "-c", script]
-    else:
-        path = tmp_path / "no_guard.py"
-        path.write_text(script)
-        cmd = [sys.executable, str(path)]
+    path = tmp_path / "no_guard.py"
+    path.write_text(script)
+    kinds: dict[str, tuple[list[str], str | None]] = {
+        "stdin": ([sys.executable, "-"], script),
+        "-c": ([sys.executable, "-c", script], None),
+        "unguarded-file": ([sys.executable, str(path)], None),
+    }
+    if importlib.util.find_spec("IPython") is not None:
+        kinds["ipython"] = ([sys.executable, "-m", "IPython", "--no-banner",
+                             "--colors=NoColor", "-c", script], None)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("FORERUN_RANK_FAULT", None)
-    # Generous: two interpreters importing torch on a shared 2-core machine. A rank that
-    # could not start would fail the run within seconds (the tests below), not time out.
-    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=240,
-                          cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
-    assert lines, done.stdout[-2000:] + done.stderr[-2000:]
-    assert json.loads(lines[-1].split(" ", 1)[1]) == want
+    procs = {how: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+             for how, (cmd, _) in kinds.items()}
+    for how, proc in procs.items():
+        # Generous: eight interpreters importing torch on a shared 2-core machine. A rank
+        # that could not start would fail the run within seconds (the tests below).
+        out, err = proc.communicate(kinds[how][1], timeout=400)
+        assert proc.returncode == 0, (how, err[-4000:])
+        lines = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
+        assert lines, (how, out[-2000:] + err[-2000:])
+        assert json.loads(lines[-1].split(" ", 1)[1]) == want, how
 
 
 CORE_SCRIPT = """
