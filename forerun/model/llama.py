@@ -102,11 +102,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's output before its residual add (which is fused
         into this layer's first norm); returns this layer's output and the residual."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h, residual = self._input_norm(x, residual)
         h = self.self_attn(h, rotary, kv_cache, meta)
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
@@ -115,6 +111,13 @@ class DecoderLayer(nn.Module):
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
         return h, residual
+
+    def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed input, the residual stream with ``x`` added)."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.forward_with_residual(x, residual)
 
 
 class PostNormDecoderLayer(nn.Module):
@@ -165,11 +168,7 @@ class SandwichNormDecoderLayer(DecoderLayer):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as :meth:`DecoderLayer.forward`."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h, residual = self._input_norm(x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, rotary, kv_cache, meta))
         h, residual = self.pre_feedforward_layernorm.forward_with_residual(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
