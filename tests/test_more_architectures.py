@@ -29,7 +29,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from forerun import LLM, SamplingParams
 from forerun.model import cpu_kernels
 from forerun.model.config import ModelConfig
-from forerun.model.errors import ModelLoadError
 from forerun.model.loader import load_model, load_model_config, resolve_model
 from forerun.model.rotary import RotaryEmbedding, compute_inv_freq
 from tests.conftest import assert_all_blocks_free
@@ -59,6 +58,8 @@ VARIANTS: dict[str, Any] = {
     "phi4_partial": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.75,
                                        original_max_position_embeddings=ORIGINAL,
                                        rope_parameters=_longrope(6), tie_word_embeddings=True),
+    # Phi-3-mini-4k-like: every layer over a sliding window (2047 there), shorter than PROMPT.
+    "phi3_window": lambda: Phi3Config(**COMMON, sliding_window=4, tie_word_embeddings=False),
     "granite": lambda: GraniteConfig(**COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                      attention_multiplier=0.2, logits_scaling=4.0,
                                      tie_word_embeddings=True),
@@ -71,7 +72,7 @@ VARIANTS: dict[str, Any] = {
     "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layer_interval=2,
                                      tie_word_embeddings=True),
 }
-C_PATH_VARIANTS = {"phi3", "granite_c_path"}
+C_PATH_VARIANTS = {"phi3", "phi3_window", "granite_c_path"}
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1]
 
 
@@ -384,7 +385,8 @@ def _write_gguf(hf: Any, path: Path, tokens: list[str]) -> None:
 @pytest.mark.usefixtures("private_model_cache")
 def test_gguf_loads_equal_to_the_hf_folder(tiny, tmp_path: Path) -> None:
     name, hf, _ = tiny
-    if name in ("granite_c_path", "phi4_partial"):
+    if name in ("granite_c_path", "phi4_partial", "phi3_window"):
+        # The window's GGUF key is read as the Gemma/Mistral files' (test_sliding_window_models).
         pytest.skip("the same GGUF layout as another variant")
     if name == "smollm3":
         # llama.cpp's smollm3 has its NoPE layers at a fixed interval of 4 (no metadata).
@@ -428,10 +430,13 @@ def test_gguf_rope_scaling_metadata_loads_equal(rope: str, tmp_path: Path) -> No
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_phi3_short_sliding_window_is_refused_by_name() -> None:
+def test_phi3_sliding_window_applies_to_every_layer() -> None:
     cfg = Phi3Config(**COMMON, sliding_window=64, architectures=["Phi3ForCausalLM"]).to_dict()
-    with pytest.raises(ModelLoadError, match="sliding_window=64"):
-        ModelConfig.from_hf_dict(cfg)
+    config = ModelConfig.from_hf_dict(cfg)
+    assert config.layer_types == ["sliding_attention"] * 2 and config.sliding_window == 64
+    # A window no position can reach past is full attention.
+    wide = ModelConfig.from_hf_dict({**cfg, "sliding_window": 128})
+    assert wide.layer_types == [] and wide.sliding_window is None
 
 
 def test_generation_config_stop_list_wins_for_phi() -> None:

@@ -345,12 +345,6 @@ class ModelConfig:
             )
         if d.get("use_sliding_window") and not arch.startswith("Qwen"):
             raise ModelLoadError(f"{arch} with use_sliding_window=true is not supported")
-        window = d.get("sliding_window")
-        if arch == "Phi3ForCausalLM" and window and int(window) < int(
-                d.get("max_position_embeddings") or 2048):
-            # Phi-3-mini-4k's window of 2047: not checked against transformers yet.
-            raise ModelLoadError(f"{arch} with sliding_window={window} (shorter than "
-                                 "max_position_embeddings) is not supported yet")
         if d.get("mlp_bias"):
             raise ModelLoadError(f"{arch} with mlp_bias=true is not supported")
         hidden = int(d["hidden_size"])
