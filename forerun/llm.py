@@ -66,36 +66,34 @@ class LLM:
         a KeyboardInterrupt) aborts its requests before it propagates: the engine stays
         usable and every KV block is free again.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        prompts = _prompt_list(prompts)
+        params_list = _per_prompt("sampling_params", sampling_params or SamplingParams(),
+                                  SamplingParams, len(prompts))
         engine = self.llm_engine
         # Check all first: a bad prompt must not leave half the batch queued.
         for p, sp in zip(prompts, params_list, strict=True):
             engine.processor.process_prompt(p, sp.truncate_prompt_tokens)
             engine.processor.process_params(sp)
-        ids = [f"gen-{next(self._counter)}" for _ in prompts]
+        ids = self._submit("gen", prompts, params_list, engine.add_request)
+        return self._run(ids, use_tqdm)  # type: ignore[return-value]
+
+    def _submit(self, prefix: str, prompts: list[PromptType], params: list[Any],
+                add: Any) -> list[str]:
+        """Queue every (checked) prompt with ``add(request_id, prompt, params)``; whatever
+        interrupts it aborts what it queued. Returns the request ids, in prompt order."""
+        ids = [f"{prefix}-{next(self._counter)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, p, sp in zip(ids, prompts, params_list, strict=True):
+            for rid, p, pp in zip(ids, prompts, params, strict=True):
                 # Before the call, so that a request half added (a parallel-sampling
                 # parent with some children) is aborted too; the ids are this call's own.
                 added.append(rid)
-                engine.add_request(rid, p, sp)
+                add(rid, p, pp)
         except BaseException:
             # The scheduler can still refuse one (more KV blocks than the cache holds).
             self._abort_and_drain(added)
             raise
-        return self._run(ids, use_tqdm)  # type: ignore[return-value]
+        return ids
 
     def chat(
         self,
@@ -127,16 +125,9 @@ class LLM:
         Works on a ``runner="pooling"`` engine and on a generating one alike (the same
         scheduler, the same path; vLLM refuses the latter). Every prompt is checked first.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompts)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"pooling_params: got {len(params_list)} for {len(prompts)} prompts")
+        prompts = _prompt_list(prompts)
+        params_list = _per_prompt("pooling_params", pooling_params or PoolingParams(),
+                                  PoolingParams, len(prompts))
         if truncate_prompt_tokens is not None:  # vLLM's keyword, over each request's own
             params_list = [dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens)
                            for pp in params_list]
@@ -144,15 +135,7 @@ class LLM:
         for p, pp in zip(prompts, params_list, strict=True):
             resolved = engine.processor.process_pooling_params(pp)
             engine.processor.process_prompt(p, resolved.truncate_prompt_tokens)
-        ids = [f"pool-{next(self._counter)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for rid, p, pp in zip(ids, prompts, params_list, strict=True):
-                added.append(rid)
-                engine.add_pooling_request(rid, p, pp)
-        except BaseException:
-            self._abort_and_drain(added)
-            raise
+        ids = self._submit("pool", prompts, params_list, engine.add_pooling_request)
         outs = self._run(ids, use_tqdm)
         for out in outs:
             if out.finish_reason != "stop":  # type: ignore[union-attr]
@@ -276,3 +259,18 @@ def _check_texts(name: str, value: Any) -> None:
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt or many, as a list."""
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+
+
+def _per_prompt(name: str, params: Any, kind: type, n: int) -> list[Any]:
+    """``params`` for each of ``n`` prompts: one object for all, or a list of ``n``."""
+    if isinstance(params, kind):
+        return [params] * n
+    out = list(params)
+    if len(out) != n:
+        raise ValueError(f"{name}: got {len(out)} for {n} prompts")
+    return out

@@ -144,15 +144,6 @@ class HybridKVCacheManager(KVCacheManager):
         self.num_cached_block[rid] = end
 
     # ----- allocation -----------------------------------------------------------------------
-    def _release(self, blocks: list[KVCacheBlock], fence_step_seq: int | None) -> None:
-        if not blocks:
-            return
-        if fence_step_seq is None:
-            self.block_pool.free_blocks(blocks)
-            return
-        assert not self.deferred_frees or self.deferred_frees[-1][0] <= fence_step_seq
-        self.deferred_frees.append((fence_step_seq, blocks))
-
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int,
                               fence_step_seq: int | None) -> None:
         """Release every sliding group's blocks no query from ``num_computed_tokens`` on

@@ -188,7 +188,10 @@ class KVCacheManager:
 
     def free(self, request: Request, fence_step_seq: int | None = None) -> None:
         """Release the request's blocks: now, or once step ``fence_step_seq`` is processed."""
-        blocks = self.remove_request(request)
+        self._release(self.remove_request(request), fence_step_seq)
+
+    def _release(self, blocks: list[KVCacheBlock], fence_step_seq: int | None) -> None:
+        """Free ``blocks`` now, or park them until step ``fence_step_seq`` is processed."""
         if not blocks:
             return
         if fence_step_seq is None:

@@ -16,7 +16,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from forerun.server.protocol import ChatCompletionRequest, TextCheckedRequest
+from forerun.server.protocol import (
+    ChatCompletionRequest,
+    TextCheckedRequest,
+    check_extra_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +111,7 @@ class _AnthropicBody(TextCheckedRequest):
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _AnthropicBody:
-        for name, value in (self.model_extra or {}).items():
-            allowed = _UNSUPPORTED.get(name)
-            if allowed is None:
-                logger.info("ignoring unknown request field %r", name)
-            elif not any(value == a and type(value) is type(a) for a in allowed):
-                why = _WHY.get(name, "is not supported by this server")
-                raise ValueError(f"{name}: {why} (got {value!r})")
+        check_extra_fields(self.model_extra, _UNSUPPORTED, _WHY)
         if self.output_config is not None and self.output_config.effort is not None:
             raise ValueError("output_config.effort: is not supported by this server (the "
                              "model has no reasoning budget to set)")

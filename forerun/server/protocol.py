@@ -418,3 +418,17 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     if all(isinstance(p, list) for p in prompt):
         return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[arg-type]
     raise ValueError("prompt: must be a string, a list of strings, or token ids")
+
+
+def check_extra_fields(extra: dict[str, Any] | None, unsupported: dict[str, tuple[Any, ...]],
+                       why: dict[str, str]) -> None:
+    """Fields a body has beyond its model: an unknown one is logged and ignored; a known
+    unsupported one is a ValueError naming it unless its value is one ``unsupported``
+    allows (``why`` says what the server does not do)."""
+    for name, value in (extra or {}).items():
+        allowed = unsupported.get(name)
+        if allowed is None:
+            logger.info("ignoring unknown request field %r", name)
+        elif not any(value == a and type(value) is type(a) for a in allowed):
+            reason = why.get(name, "is not supported by this server")
+            raise ValueError(f"{name}: {reason} (got {value!r})")

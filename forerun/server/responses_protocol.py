@@ -13,7 +13,11 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, model_validator
 
-from forerun.server.protocol import ChatCompletionRequest, TextCheckedRequest
+from forerun.server.protocol import (
+    ChatCompletionRequest,
+    TextCheckedRequest,
+    check_extra_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +83,7 @@ class ResponsesRequest(TextCheckedRequest):
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> ResponsesRequest:
-        for name, value in (self.model_extra or {}).items():
-            allowed = _UNSUPPORTED.get(name)
-            if allowed is None:
-                logger.info("ignoring unknown request field %r", name)
-            elif not any(value == a and type(value) is type(a) for a in allowed):
-                why = _WHY.get(name, "is not supported by this server")
-                raise ValueError(f"{name}: {why} (got {value!r})")
+        check_extra_fields(self.model_extra, _UNSUPPORTED, _WHY)
         return self
 
     def messages(self) -> list[dict[str, Any]]:
