@@ -58,15 +58,18 @@ class Step:
     def slot(self, i: int, pos: int) -> int:
         return int(self.tables[i, pos // self.block_size]) * self.block_size + pos % self.block_size
 
-    def run(self, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    def run(self, window: int | None = None, softcap: float | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         kc, vc = self.k_cache.clone(), self.v_cache.clone()
         scale = 1 / math.sqrt(self.q.shape[-1])
         return paged_attention(self.q, self.k, self.v, kc, vc, self.meta, scale, window,
-                               softcap)
+                               softcap, sinks)
 
-    def oracle(self, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    def oracle(self, window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Position ``pos`` sees ``max(0, pos - window + 1) .. pos``; scores capped as
-        ``softcap * tanh(s / softcap)``."""
+        ``softcap * tanh(s / softcap)``; head ``h``'s softmax denominator has
+        ``exp(sinks[h])`` added."""
         heads, d = self.heads, self.q.shape[-1]
         kv_heads = self.k.shape[1]
         out = torch.empty(self.q.shape[0], heads * d, dtype=torch.float64)
@@ -88,7 +91,12 @@ class Step:
                     scores = keys @ self.q[row, h].double() / math.sqrt(d)
                     if softcap is not None:
                         scores = softcap * torch.tanh(scores / softcap)
-                    probs = torch.softmax(scores, 0)
+                    if sinks is None:
+                        probs = torch.softmax(scores, 0)
+                    else:
+                        e = torch.exp(scores - scores.max())
+                        sink = torch.exp(sinks[h].double() - scores.max())
+                        probs = e / (e.sum() + sink)
                     out[row, h * d:(h + 1) * d] = probs @ vals
         return out
 
@@ -226,3 +234,26 @@ def test_sliding_window_attention_never_reads_blocks_before_the_window(
     got = step.run(window)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), step.oracle(window), atol=1e-5, rtol=1e-5)
+
+
+# gpt-oss's attention sinks, with and without a window: (case, window).
+SINK_CASES = [(1, None), (3, 16), (4, 5), (7, None), (7, 3)]
+
+
+@pytest.mark.parametrize("path", ["c-f32", "c-bf16", "torch"])
+@pytest.mark.parametrize(("case", "window"), SINK_CASES)
+def test_attention_sinks_match_float64_oracle(case: int, window: int | None, path: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "torch":
+        _force_torch_path(monkeypatch)
+    elif cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    dtype = torch.bfloat16 if path == "c-bf16" else torch.float32
+    step = Step(case, *CASES[case], dtype)
+    # Sinks around the scores' size, large enough to take most of some heads' mass.
+    sinks = torch.linspace(-3.0, 4.0, step.heads, dtype=dtype)
+    got = step.run(window, None, sinks).double()
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got, step.oracle(window, None, sinks), atol=tol, rtol=tol)
+    # The sinks take a visible share: the output differs from sink-free attention.
+    assert (got - step.oracle(window)).abs().max() > 0.05

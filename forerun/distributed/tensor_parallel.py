@@ -113,14 +113,22 @@ def shard_moe(moe: FusedMoE, group: TensorParallelGroup, expert_parallel: bool) 
         moe.local_experts = range(rank * per, (rank + 1) * per)
         keep = slice(rank * per, (rank + 1) * per)
         w13, w2 = moe.w13[keep], moe.w2[keep]
+        b13 = None if moe.b13 is None else moe.b13[keep]
+        b2 = None if moe.b2 is None else moe.b2[keep]
     else:
         full, inter = moe.intermediate_size, moe.intermediate_size // size
         rows = torch.cat([torch.arange(rank * inter, (rank + 1) * inter),
                           full + torch.arange(rank * inter, (rank + 1) * inter)])
         w13, w2 = moe.w13[:, rows], moe.w2[:, :, rank * inter:(rank + 1) * inter]
+        b13 = None if moe.b13 is None else moe.b13[:, rows]
+        # Each rank's down projection is a partial sum; the bias joins it once (rank 0).
+        b2 = None if moe.b2 is None else moe.b2 if rank == 0 else torch.zeros_like(moe.b2)
         moe.intermediate_size = inter
     moe.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
     moe.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+    if b13 is not None and b2 is not None:  # gpt-oss's expert biases
+        moe.b13 = nn.Parameter(b13.contiguous(), requires_grad=False)
+        moe.b2 = nn.Parameter(b2.contiguous(), requires_grad=False)
     moe.tp_group = group
 
 
@@ -151,6 +159,9 @@ def shard_model(model: nn.Module, group: TensorParallelGroup,
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
         attn.qkv_proj = _linear(w[idx], None if b is None else b[idx])
         attn.num_heads, attn.num_kv_heads = hq, hkv
+        if attn.sinks is not None:  # gpt-oss: one per query head, with its head
+            attn.sinks = nn.Parameter(attn.sinks[rank * hq:(rank + 1) * hq].contiguous(),
+                                      requires_grad=False)
         attn.q_size, attn.kv_size = hq * d, hkv * d
         o = attn.o_proj
         attn.o_proj = RowParallel(o.weight[:, rank * hq * d:(rank + 1) * hq * d], o.bias,

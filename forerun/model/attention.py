@@ -28,6 +28,10 @@ block holding its window's first position; the torch path gathers from that bloc
 window view of the step's metadata, built once per step and window), so blocks wholly
 before a window are never read: the KV cache manager may free them.
 
+gpt-oss's attention sinks (``sinks``, one learned logit per query head) join each softmax's
+denominator only. SDPA cannot add them, so with sinks every token goes to the C kernel, and
+the torch path computes its scores explicitly (as for soft-capping).
+
 Everything that depends only on the batch shape (gather indices, masks) is computed once per
 step, by ``AttentionMetadata`` on the first layer's request (the torch path's indices and
 masks only if that path runs), so that the per-layer path is a handful of tensor ops with no
@@ -309,26 +313,39 @@ def _window_mask(q_len: int, k_len: int, q_start: int, k_start: int, window: int
     return (k <= q) & (k > q - window)
 
 
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of float32 ``scores``, with ``exp(sink)`` added to
+    each row's denominator when ``sinks`` is given (shaped to broadcast to
+    ``scores[..., :1]``: one logit per query head)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None, causal: bool, scale: float,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA's function over ``[B, H, Q, D]`` / ``[B, KVH, K, D]``, with the scaled scores
-    soft-capped (``softcap * tanh(s / softcap)``) when ``softcap`` is set: SDPA cannot."""
+    soft-capped (``softcap * tanh(s / softcap)``) when ``softcap`` is set and attention
+    sinks ``[H]`` in the softmax when ``sinks`` is: SDPA can do neither."""
     gqa = q.shape[1] != k.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=scale, enable_gqa=gqa)
     if gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
                           device=q.device).tril(k.shape[-2] - q.shape[-2])
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    sink = None if sinks is None else sinks.view(-1, 1, 1)  # [H] -> [H, Q, 1]
+    return torch.matmul(_softmax_with_sinks(scores, sink).to(v.dtype), v)
 
 
 def write_kv(
@@ -352,6 +369,7 @@ def write_kv(
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All single-token queries of the step in one call, from tensor ops: gather the
     context densely, then two matmuls (or SDPA off the CPU); returns [B_dec, H, D]."""
@@ -373,7 +391,7 @@ def decode_attention_torch(
     kt = k_runs.index_select(0, meta.decode_runs).view(b, kvh, ctx // bs, d, bs)
     kt = kt.permute(0, 1, 3, 2, 4).reshape(b, kvh, d, ctx)
     v = v_runs.index_select(0, meta.decode_runs).view(b, kvh, ctx, d)
-    if q.device.type != "cpu" and softcap is None:
+    if q.device.type != "cpu" and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(qg, kt.transpose(-1, -2), v,
                                              attn_mask=meta.decode_mask, scale=scale)
         return out.view(b, num_heads, d)
@@ -384,13 +402,16 @@ def decode_attention_torch(
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if meta.decode_mask is not None:
         scores.masked_fill_(~meta.decode_mask, float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    # Query head h = kv head * G + g, as the scores' [KVH, G] rows.
+    sink = None if sinks is None else sinks.view(kvh, num_heads // kvh, 1)
+    out = torch.matmul(_softmax_with_sinks(scores, sink).to(v.dtype), v)
     return out.view(b, num_heads, d)
 
 
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_runs: torch.Tensor,
     v_runs: torch.Tensor, span: PrefillSpan, scale: float, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for one prefill chunk; returns [q_len, H, D]."""
     qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
@@ -405,7 +426,7 @@ def _prefill_attention(
         n_keys = span.seq_len - span.context_start
         ks = kt.transpose(-1, -2).reshape(1, kvh, -1, d)[:, :, :n_keys]
         vs = v_runs.index_select(0, span.context_runs).view(1, kvh, -1, d)[:, :, :n_keys]
-    out = _capped_attention(qs, ks, vs, span.mask, span.mask is None, scale, softcap)
+    out = _capped_attention(qs, ks, vs, span.mask, span.mask is None, scale, softcap, sinks)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -446,16 +467,18 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v ([T, KVH, D]) into the cache, then attend q ([T, H, D]); returns [T, H*D].
 
     ``window``: a sliding-window layer's (each token sees its last ``window`` positions);
-    ``softcap``: scaled scores become ``softcap * tanh(score / softcap)``."""
+    ``softcap``: scaled scores become ``softcap * tanh(score / softcap)``; ``sinks`` ``[H]``:
+    gpt-oss's per-head logits in each softmax's denominator."""
     t, num_heads, d = q.shape
     if _use_kernels(q, k, v):
         cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache)
         fresh, ranges = meta.kernel_split()
-        if softcap is not None:  # SDPA cannot cap scores: every token to the C kernel
+        if softcap is not None or sinks is not None:  # SDPA cannot: all to the C kernel
             fresh, ranges = [], [(0, t)]
 
         def fresh_mask(length: int) -> torch.Tensor | None:
@@ -468,13 +491,13 @@ def paged_attention(
         if not fresh:
             out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                               token_seq, token_len, scale, None, window,
-                                              softcap)
+                                              softcap, sinks)
             return out.view(t, num_heads * d)
         out = q.new_empty(t, num_heads, d)
         for lo, hi in ranges:
             cpu_kernels.paged_attention(q[lo:hi], k_cache, v_cache, meta.block_tables,
                                         token_seq[lo:hi], token_len[lo:hi], scale, out[lo:hi],
-                                        window, softcap)
+                                        window, softcap, sinks)
         for start, count, length in fresh:
             out[start:start + count * length] = _fresh_prompt_attention(
                 q, k, v, start, count, length, scale, fresh_mask(length))
@@ -484,8 +507,8 @@ def paged_attention(
     write_kv(k, v, k_cache, v_cache, meta)
     if not meta.prefills and meta.decode_row_range == (0, t):
         # Pure decode step (the common case): no scatter into a separate output.
-        return decode_attention_torch(q, k_cache, v_cache, meta, scale, softcap).reshape(
-            t, num_heads * d)
+        return decode_attention_torch(q, k_cache, v_cache, meta, scale, softcap,
+                                      sinks).reshape(t, num_heads * d)
     # [num_blocks * KVH, block_size * D] views: one contiguous run per (block, head).
     k_runs = k_cache.view(-1, v_cache.shape[2] * d)
     v_runs = v_cache.view(-1, v_cache.shape[2] * d)
@@ -494,13 +517,13 @@ def paged_attention(
         if meta.decode_row_range is not None:
             lo, hi = meta.decode_row_range
             out[lo:hi] = decode_attention_torch(q[lo:hi], k_cache, v_cache, meta, scale,
-                                                softcap)
+                                                softcap, sinks)
         else:
             assert meta.decode_rows is not None
             q_dec = q.index_select(0, meta.decode_rows)
             out.index_copy_(0, meta.decode_rows, decode_attention_torch(
-                q_dec, k_cache, v_cache, meta, scale, softcap))
+                q_dec, k_cache, v_cache, meta, scale, softcap, sinks))
     for span in meta.prefills:
         out[span.start:span.end] = _prefill_attention(q, k, v, k_runs, v_runs, span, scale,
-                                                      softcap)
+                                                      softcap, sinks)
     return out.view(t, num_heads * d)

@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 )
 
 # MLP activations by their Hugging Face names (``hidden_act`` / ``hidden_activation``).
@@ -139,7 +140,7 @@ def _moe_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields from a Hugging Face config (none for a dense
     architecture). Mixtral's experts are ``intermediate_size`` wide and its router weights
     always renormalised over the chosen experts."""
-    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
         return {}
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
     top_k = int(d.get("num_experts_per_tok") or 0)
@@ -149,6 +150,13 @@ def _moe_settings(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     if arch == "MixtralForCausalLM":
         return {"num_experts": experts, "num_experts_per_tok": top_k,
                 "moe_intermediate_size": int(d["intermediate_size"]), "norm_topk_prob": True}
+    if arch == "GptOssForCausalLM":
+        # Every layer sparse, experts intermediate_size wide; the router's softmax over the
+        # chosen logits sums to 1 by itself. transformers' defaults for the clamped SwiGLU.
+        return {"num_experts": experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": int(d["intermediate_size"]), "norm_topk_prob": True,
+                "swiglu_alpha": float(d.get("swiglu_alpha") or 1.702),
+                "swiglu_limit": float(d.get("swiglu_limit") or 7.0), "attention_sinks": True}
     step = int(d.get("decoder_sparse_step") or 1)
     if step < 1:
         raise ModelLoadError(f"{arch} needs decoder_sparse_step >= 1; got {step}")
@@ -184,7 +192,7 @@ def _layer_types(arch: str, d: dict[str, Any], layers: int) -> tuple[list[str], 
         raise ModelLoadError(f"{arch}: sliding_window must be >= 1; got {window}")
     types = d.get("layer_types")
     if types is None:
-        if arch == "Gemma2ForCausalLM":  # even layers slide
+        if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):  # even layers slide
             types = ["sliding_attention" if i % 2 == 0 else "full_attention"
                      for i in range(layers)]
         elif arch == "Gemma3ForCausalLM":  # every n-th layer is global (n = 6)
@@ -309,6 +317,12 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
+    # gpt-oss: a learned logit per query head in each attention softmax's denominator, and
+    # experts (with biases, behind a biased router) whose activation is the clamped SwiGLU
+    # with these two constants (None: SiLU-and-multiply).
+    attention_sinks: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """How many positions decoder layer ``layer`` attends to (its own included), or

@@ -121,7 +121,7 @@ def _load() -> ctypes.CDLL | None:
     for suffix in _DTYPE_SUFFIX.values():
         for name, args in (("paged_attention", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
                                                 _ptr, _i64, _i64, _i64, _i64, _i64,
-                                                ctypes.c_float, _i64, ctypes.c_float]),
+                                                ctypes.c_float, _i64, ctypes.c_float, _ptr]),
                            ("rms_norm", [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
                            ("silu_and_mul", [_ptr, _ptr, _i64, _i64]),
                            ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]),
@@ -230,7 +230,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, token_seq: torch.Tensor, token_len: torch.Tensor,
     scale: float, out: torch.Tensor | None = None, window: int | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context.
 
@@ -239,7 +239,8 @@ def paged_attention(
     ``token_seq`` ``[T]`` is its row in ``block_tables`` and ``token_len`` ``[T]`` the number
     of context positions it attends to (its position + 1). A ``window`` keeps only the last
     ``window`` of those (a sliding-window layer; blocks before it are not read), and
-    ``softcap`` caps each scaled score as ``softcap * tanh(score / softcap)``. Returns
+    ``softcap`` caps each scaled score as ``softcap * tanh(score / softcap)``; ``sinks``
+    ``[H]`` (gpt-oss) adds ``exp(sinks[h])`` to head ``h``'s softmax denominator. Returns
     ``[T, H, D]`` contiguous (written into ``out`` when given).
     """
     _check_rows(q)
@@ -252,11 +253,14 @@ def paged_attention(
     if out is None:
         out = q.new_empty(t, num_heads, d)
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
+    if sinks is not None:  # the kernel reads one float32 per query head
+        sinks = sinks.detach().float().contiguous()
+        assert sinks.shape == (num_heads,)
     rc = _fn("paged_attention", q.dtype)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), token_seq.data_ptr(),
         token_len.data_ptr(), out.data_ptr(), t, num_heads, kvh, bs, d, scale, window or 0,
-        softcap or 0.0)
+        softcap or 0.0, None if sinks is None else sinks.data_ptr())
     if rc != 0:
         raise MemoryError("paged attention could not allocate its scratch space")
     return out

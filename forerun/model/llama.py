@@ -28,7 +28,8 @@ QKNorm = Literal["head", "full"] | None
 
 class DecoderAttention(nn.Module):
     """Self-attention with fused q/k/v projection, optional q/k norm, paged cache;
-    decoder layer ``layer``'s sliding window and the config's score soft-capping."""
+    decoder layer ``layer``'s sliding window, the config's score soft-capping and
+    attention sinks."""
 
     def __init__(self, config: ModelConfig, o_proj_bias: bool, qk_norm: QKNorm,
                  layer: int = 0) -> None:
@@ -53,6 +54,9 @@ class DecoderAttention(nn.Module):
                         else (self.head_dim, self.head_dim))
         self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if qk_norm else None
+        # gpt-oss: a learned logit per query head in every softmax's denominator.
+        self.sinks = (nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+                      if config.attention_sinks else None)
 
     def forward(
         self,
@@ -75,7 +79,7 @@ class DecoderAttention(nn.Module):
             q = apply_rotary(q, rotary)
             k = apply_rotary(k, rotary)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              self.window, self.softcap)
+                              self.window, self.softcap, self.sinks)
         return self.o_proj(out)
 
 

@@ -1,5 +1,9 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks ``top_k`` of ``num_experts``
-gated-SiLU experts per token, and the layer's output is their weighted sum.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): a router picks ``top_k`` of
+``num_experts`` gated experts per token, and the layer's output is their weighted sum.
+
+gpt-oss differs in three options: its router has a bias and takes the softmax over the
+chosen ``top_k`` logits only; its experts have biases (``b13`` ``[E, 2 * I]``, ``b2``
+``[E, H]``); and their activation is the clamped SwiGLU (:func:`clamped_swiglu`).
 
 All tokens of a step are routed at once; their (token, expert) pairs are then grouped by
 expert, so each expert that received tokens runs its gate/up and down projections as one
@@ -21,11 +25,15 @@ from torch import nn
 from forerun.model import cpu_kernels
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   softmax_over_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights float32 [T, top_k], expert ids int64 [T, top_k])``: the softmax over all
     experts in float32, its ``top_k`` largest, renormalised to sum to 1 when asked
-    (Mixtral always; Qwen3-MoE with ``norm_topk_prob``)."""
+    (Mixtral always; Qwen3-MoE with ``norm_topk_prob``); with ``softmax_over_top_k``
+    (gpt-oss) the ``top_k`` largest logits, then the softmax over those alone."""
+    if softmax_over_top_k:
+        top, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -38,6 +46,16 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation of ``[..., 2 * I]`` (gate columns, then up):
+    ``(clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g`` the gate clamped
+    to at most ``limit``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -85,20 +103,33 @@ class FusedMoE(nn.Module):
     """A sparse MLP layer: the router (``gate``, a linear layer to one logit per expert) and
     the stacked experts ``w13`` / ``w2`` (see the module docstring); with
     quantization="gguf", ``quant_experts`` instead: per expert its gate/up and down as
-    linears over the file's blocks (and ``w13`` / ``w2`` None)."""
+    linears over the file's blocks (and ``w13`` / ``w2`` None).
+
+    gpt-oss's options: ``router_bias``, ``softmax_over_top_k`` (see :func:`select_experts`),
+    ``expert_bias`` (``b13`` / ``b2``, added to each expert's gate/up and down outputs) and
+    ``swiglu`` ``(alpha, limit)``: :func:`clamped_swiglu` in place of SiLU-and-multiply."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int, renormalize: bool) -> None:
+                 top_k: int, renormalize: bool, *, router_bias: bool = False,
+                 softmax_over_top_k: bool = False, expert_bias: bool = False,
+                 swiglu: tuple[float, float] | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.softmax_over_top_k = softmax_over_top_k
+        self.swiglu = swiglu
+        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
+        self.b13 = self.b2 = None
+        if expert_bias:
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size),
+                                    requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.quant_experts: nn.ModuleList | None = None
         # Tensor parallel (forerun/distributed/tensor_parallel.py): the output is summed over
         # the group; with expert parallelism this rank holds the experts in local_experts
@@ -114,26 +145,39 @@ class FusedMoE(nn.Module):
         self.w13 = None
         self.w2 = None
 
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.swiglu is None:
+            return _silu_and_mul(gate_up)
+        return clamped_swiglu(gate_up, *self.swiglu)
+
+    def _bias(self, y: torch.Tensor, bias: torch.Tensor | None, i: int) -> torch.Tensor:
+        return y if bias is None else y + bias[i]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize,
+                                      self.softmax_over_top_k)
+        b13, b2 = self.b13, self.b2
         if self.quant_experts is not None:
             experts = self.quant_experts
 
             def run(e: int, rows: torch.Tensor) -> torch.Tensor:
                 gate_up, down = experts[e]
-                return down(_silu_and_mul(gate_up(rows)))
+                h = self._act(self._bias(gate_up(rows), b13, e))
+                return self._bias(down(h), b2, e)
 
             return grouped_experts(x, weights, ids, self.num_experts, run)
-        if self.local_experts is None:
+        if self.local_experts is None and self.swiglu is None and b13 is None:
             out = fused_experts(x, self.w13, self.w2, weights, ids)
         else:
             local, w13, w2 = self.local_experts, self.w13, self.w2
 
             def run_local(e: int, rows: torch.Tensor) -> torch.Tensor:
-                if e not in local:  # another rank's expert: its rows come from there
+                if local is not None and e not in local:
+                    # another rank's expert: its rows come from there
                     return rows.new_zeros(rows.shape[0], rows.shape[1])
-                i = e - local.start
-                return F.linear(_silu_and_mul(F.linear(rows, w13[i])), w2[i])
+                i = e if local is None else e - local.start
+                h = self._act(F.linear(rows, w13[i], None if b13 is None else b13[i]))
+                return F.linear(h, w2[i], None if b2 is None else b2[i])
 
             out = grouped_experts(x, weights, ids, self.num_experts, run_local)
         return out if self.tp_group is None else self.tp_group.all_reduce(out.contiguous())

@@ -6,6 +6,7 @@ from forerun.model.base import CausalLM
 from forerun.model.config import SUPPORTED_ARCHITECTURES
 from forerun.model.errors import ModelLoadError
 from forerun.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from forerun.model.gpt_oss import GptOssForCausalLM
 from forerun.model.granite import GraniteForCausalLM
 from forerun.model.llama import LlamaForCausalLM
 from forerun.model.mistral import MistralForCausalLM
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

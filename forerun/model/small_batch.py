@@ -70,7 +70,8 @@ def unsupported_features(model: LlamaForCausalLM) -> list[str]:
     The C stack runs pre-norm Llama blocks (optionally per-head q/k norm, biases, MoE, a
     per-layer sliding window) with rotary over the whole head in every layer and a residual
     add without a multiplier; embedding multipliers and logit scaling or soft-capping run
-    outside it (in Python), and the attention scale is passed in.
+    outside it (in Python), and the attention scale is passed in. gpt-oss (attention sinks,
+    its experts' activation and biases) runs op by op.
     """
     from forerun.model.llama import DecoderLayer, SandwichNormDecoderLayer
 
@@ -98,6 +99,10 @@ def unsupported_features(model: LlamaForCausalLM) -> list[str]:
         found.append("attention soft-capping")
     if cfg.rope_local_theta is not None:
         found.append("per-layer rope")
+    if cfg.attention_sinks:
+        found.append("attention sinks")
+    if cfg.swiglu_alpha is not None:
+        found.append("clamped SwiGLU experts with biases")
     return found
 
 

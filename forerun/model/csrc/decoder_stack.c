@@ -60,10 +60,11 @@ int gguf_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t 
                      int64_t, int64_t);
 int paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *,
                         int64_t, const int64_t *, const int64_t *, float *, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float, int64_t, float);
+                        int64_t, int64_t, int64_t, float, int64_t, float, const float *);
 int paged_attention_bf16(const uint16_t *, int64_t, const uint16_t *, const uint16_t *,
                          const int64_t *, int64_t, const int64_t *, const int64_t *, uint16_t *,
-                         int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
+                         int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float,
+                         const float *);
 int moe_block_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                   const float *, const int64_t *);
 int moe_block_q_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -125,7 +126,7 @@ static int moe_block_none(const uint16_t *h, uint16_t *out, int64_t t, int64_t h
                            a->block_size, D, sizeof(T));                                        \
             if (paged_attention_##SFX(qkv, row, kc, vc, a->block_tables, a->table_stride,       \
                                       a->token_seq, a->token_len, attn, t, NH, KVH,             \
-                                      a->block_size, D, a->scale, lp[WINDOW], 0.f) != 0)       \
+                                      a->block_size, D, a->scale, lp[WINDOW], 0.f, NULL) != 0) \
                 rc = -1;                                                                        \
             if (MM(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs) != 0) rc = -1;                    \
             rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \

@@ -6,8 +6,10 @@
  * the block holding the first of them, so blocks wholly before the window are never read
  * (the KV cache manager may have freed them), and the earlier positions of that first block
  * get probability 0. With softcap > 0 (Gemma 2) each scaled score s becomes
- * softcap * tanh(s / softcap) before the softmax. A decode token sees the whole sequence
- * (or window); the tokens of a prefill chunk see growing prefixes, so one call serves a
+ * softcap * tanh(s / softcap) before the softmax. With sinks (gpt-oss; NULL: none) each query
+ * head's learned logit sinks[head] joins its softmax's denominator only: the probabilities
+ * of the context then sum to less than 1 (the sink's share attends to nothing). A decode
+ * token sees the whole sequence (or window); the tokens of a prefill chunk see growing prefixes, so one call serves a
  * mixed batch once the step's new K/V rows are in the cache (kv_cache_write below).
  * The torch fallback gathers every context into a dense copy and runs matmuls or SDPA over
  * it, reading the cache, writing it and reading it again; here each (token, kv head) pair
@@ -121,8 +123,8 @@ INLINE void store_row(void *dst, int is_bf16, int64_t i, int64_t D, const float 
 INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                    const int64_t *table, void *out, int64_t b, int64_t h, int64_t L, int64_t H,
                    int64_t KVH, int64_t BS, int64_t D, int64_t G, float scale, int64_t window,
-                   float softcap, int is_bf16, float *qf, float *acc, float *row, float *scores,
-                   float *blockscores) {
+                   float softcap, const float *sinks, int is_bf16, float *qf, float *acc,
+                   float *row, float *scores, float *blockscores) {
     const size_t esz = is_bf16 ? 2 : 4;
     /* The walk below covers positions [base, base + L) of the sequence, relative to base:
      * the window's first block onwards; the first `skip` of them are before the window. */
@@ -168,7 +170,7 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
             memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
     }
     for (int64_t g = 0; g < G; ++g) {
-        float *sg = scores + g * L, m = -FLT_MAX, sum = 0.f;
+        float *sg = scores + g * L, m = sinks ? sinks[h * G + g] : -FLT_MAX, sum = 0.f;
         if (softcap > 0.f) {
             const float inv_cap = 1.f / softcap;
             for (int64_t t = skip; t < L; ++t) sg[t] = softcap * tanhf(sg[t] * inv_cap);
@@ -179,6 +181,7 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
             sg[t] = expf(sg[t] - m);
             sum += sg[t];
         }
+        if (sinks) sum += expf(sinks[h * G + g] - m);
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < skip; ++t) sg[t] = 0.f;
         for (int64_t t = skip; t < L; ++t) sg[t] *= inv;
@@ -211,13 +214,13 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
 /* Constant head_dim and dtype let the compiler unroll the row loops completely. */
 #define ATTEND_CASE(BLOCK, DIM, BF16)                                                         \
     attend(q, q_stride, k_cache, v_cache, table, out, b, h, L, num_heads, num_kv_heads,      \
-           BLOCK, DIM, G, scale, window, softcap, BF16, qf, acc, row, scores, blockscores)
+           BLOCK, DIM, G, scale, window, softcap, sinks, BF16, qf, acc, row, scores, blockscores)
 
 static int run(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
                const int64_t *token_len, void *out, int64_t num_tokens, int64_t num_heads,
                int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
-               int64_t window, float softcap, int is_bf16) {
+               int64_t window, float softcap, const float *sinks, int is_bf16) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim;
     int64_t max_len = 1;
     for (int64_t b = 0; b < num_tokens; ++b)
@@ -259,10 +262,10 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                         const int64_t *token_seq, const int64_t *token_len, float *out,
                         int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t block_size, int64_t head_dim, float scale, int64_t window,
-                        float softcap) {
+                        float softcap, const float *sinks) {
     return run(q, q_stride, k_cache, v_cache, block_tables, table_stride, token_seq, token_len,
                out, num_tokens, num_heads, num_kv_heads, block_size, head_dim, scale, window,
-               softcap, 0);
+               softcap, sinks, 0);
 }
 
 int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
@@ -270,10 +273,11 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                          int64_t table_stride, const int64_t *token_seq,
                          const int64_t *token_len, uint16_t *out, int64_t num_tokens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                         int64_t head_dim, float scale, int64_t window, float softcap) {
+                         int64_t head_dim, float scale, int64_t window, float softcap,
+                         const float *sinks) {
     return run(q, q_stride, k_cache, v_cache, block_tables, table_stride, token_seq, token_len,
                out, num_tokens, num_heads, num_kv_heads, block_size, head_dim, scale, window,
-               softcap, 1);
+               softcap, sinks, 1);
 }
 
 /* Store the step's new K and V rows (token t's heads contiguous, tokens src_stride
