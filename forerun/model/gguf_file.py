@@ -31,6 +31,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel) interleaves Q/K rows.
 _PERMUTED_ARCHS = frozenset({"llama", "granite", "smollm3"})
@@ -63,6 +64,8 @@ _BLOCK_NAMES: dict[str, str] = {
     "attn_qkv": "self_attn.qkv_proj",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # gpt-oss's per-head attention sinks (the model drops the suffix llama.cpp adds).
+    "attn_sinks": "self_attn.sinks",
 }
 # Per architecture, block tensors whose Hugging Face name differs from _BLOCK_NAMES': Phi-3's
 # ffn_up holds gate and up rows (gate first), as its checkpoints' gate_up_proj.
@@ -179,7 +182,8 @@ def _sliding_config(reader: GGUFReader, arch: str, layers: int) -> dict[str, Any
     if isinstance(pattern, list):
         sliding = [bool(v) for v in pattern][:layers]
     else:
-        n = int(pattern) if pattern is not None else {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+        n = int(pattern) if pattern is not None else {"gemma2": 2, "gemma3": 6,
+                                                       "gpt-oss": 2}.get(arch, 0)
         sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
     return {"sliding_window": int(window),
             "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
@@ -209,7 +213,14 @@ def _gemma_config(reader: GGUFReader, arch: str, hidden: int, heads: int, head_d
 
 def _moe_config(reader: GGUFReader, arch: str, hf_arch: str) -> dict[str, Any]:
     """The mixture-of-experts keys of the config (none for a dense file). llama.cpp
-    renormalises the chosen experts' weights for both MoE architectures forerun reads."""
+    renormalises the chosen experts' weights for both MoE architectures forerun reads;
+    gpt-oss's experts are intermediate_size wide, its activation's constants llama.cpp's
+    (transformers' defaults)."""
+    if hf_arch == "GptOssForCausalLM":
+        return {"num_local_experts": int(_field(reader, f"{arch}.expert_count")),
+                "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+                "intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length",
+                                                _field(reader, f"{arch}.feed_forward_length")))}
     if hf_arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         return {}
     ffn = int(_field(reader, f"{arch}.feed_forward_length"))
@@ -362,6 +373,9 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
                                 ("beta_slow", "yarn_beta_slow")):
             if key(gguf_name) is not None:
                 rope_scaling[name] = float(key(gguf_name))
+        if arch == "gpt-oss":
+            # transformers' gpt-oss ramps between the unrounded pair bounds (truncate false).
+            rope_scaling["truncate"] = False
     elif scaling_type not in (None, "none"):
         rope_scaling = {"rope_type": scaling_type, "factor": key("factor")}
     factors = _rope_freq_factors(reader)
