@@ -27,7 +27,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from forerun import LLM, SamplingParams
 from forerun.model import cpu_kernels
 from forerun.model.gpt_oss import dequantize_mxfp4_checkpoint
-from forerun.model.loader import load_model, load_model_config, resolve_model
+from forerun.model.loader import ModelLoadError, load_model, load_model_config, resolve_model
 from forerun.model.quant.gguf_linear import GGUFLinear
 from tests.conftest import assert_all_blocks_free
 from tests.paged_driver import PagedDriver
@@ -123,6 +123,22 @@ def test_openai_mxfp4_checkpoint_tensors_dequantize_as_transformers_does() -> No
     scales = torch.randint(118, 134, (3, 8, 2), dtype=torch.uint8, generator=gen)
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
     assert torch.equal(dequantize_mxfp4_checkpoint(blocks, scales).transpose(1, 2), want)
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.experts.down_proj_bias",
+                                  "model.layers.0.self_attn.sinks",
+                                  "model.layers.0.mlp.router.bias"])
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path: Path,
+                                                               name: str) -> None:
+    _, folder = tiny
+    dst = tmp_path / "broken"
+    shutil.copytree(folder, dst)
+    (file,) = dst.glob("*.safetensors")
+    tensors = load_file(file)
+    del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+        _load(dst)
 
 
 # --- GGUF ---------------------------------------------------------------------------------

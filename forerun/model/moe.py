@@ -125,7 +125,8 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
-        self.b13 = self.b2 = None
+        self.b13: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
         if expert_bias:
             self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size),
                                     requires_grad=False)
