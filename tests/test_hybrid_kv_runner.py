@@ -73,19 +73,11 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return hf, folder
 
 
-def test_hybrid_engine_matches_transformers_chunked_preempted_and_prefix_cached(
-        tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def _engine_tokens(folder: Path) -> dict[str, list[list[int]]]:
     """Three prompts longer than the window, in 8-token chunks, over a pool too small for
-    all of them (preemptions), then the first prompt twice (prefix-cache hits); async on
-    and off give transformers' greedy tokens, and every block is free afterwards. Qwen2's
-    steps run in the one-call C stack, each layer on its group's table."""
-    hf, folder = tiny
-    stack_calls: list[torch.dtype] = []
-    real_stack = cpu_kernels.decoder_stack
-    monkeypatch.setattr(cpu_kernels, "decoder_stack",
-                        lambda dtype: stack_calls.append(dtype) or real_stack(dtype))
+    all of them (preemptions), then the first prompt twice (prefix-cache hits), with async
+    scheduling off and on; every block free afterwards. Greedy tokens per mode."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    want = [_hf_greedy(hf, p, 16) for p in PROMPTS]
     got = {}
     for mode in ("off", "on"):
         llm = LLM(str(folder), dtype="float32", max_model_len=48, block_size=BLOCK,
@@ -109,9 +101,34 @@ def test_hybrid_engine_matches_transformers_chunked_preempted_and_prefix_cached(
             assert_all_blocks_free(llm)
         finally:
             llm.shutdown()
+    return got
+
+
+def test_hybrid_engine_matches_transformers_chunked_preempted_and_prefix_cached(
+        tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """See _engine_tokens: async and sync give transformers' greedy tokens. Qwen2's steps
+    run in the one-call C stack, each layer on its group's table."""
+    hf, folder = tiny
+    stack_calls: list[torch.dtype] = []
+    real_stack = cpu_kernels.decoder_stack
+    monkeypatch.setattr(cpu_kernels, "decoder_stack",
+                        lambda dtype: stack_calls.append(dtype) or real_stack(dtype))
+    want = [_hf_greedy(hf, p, 16) for p in PROMPTS]
+    got = _engine_tokens(folder)
     assert got["off"] == got["on"] == want + want[:1] * 2
     takes_stack = hf.config.model_type == "qwen2" and cpu_kernels.kernel_library() is not None
     assert bool(stack_calls) == takes_stack
+
+
+def test_hybrid_engine_on_the_torch_path_matches_transformers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on the pure-torch attention (what CUDA runs): each group's window view
+    gathers from its own table, never a null entry."""
+    monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
+    hf = _write(tmp_path, MODELS["gemma3"]())
+    want = [_hf_greedy(hf, p, 16) for p in PROMPTS]
+    got = _engine_tokens(tmp_path)
+    assert got["off"] == got["on"] == want + want[:1] * 2
 
 
 def test_a_long_prompts_kv_bytes_stay_at_the_window_bound(tmp_path: Path) -> None:
