@@ -88,6 +88,12 @@ def kv_cache_groups(model_config: ModelConfig) -> list[KVCacheGroupSpec]:
     return group_layers([model_config.layer_window(layer) for layer in range(n)])
 
 
+def one_group(num_layers: int) -> list[KVCacheGroupSpec]:
+    """Every layer in one full-attention group: every block kept (what a model without
+    sliding layers gets, and what a hybrid one falls back to where the runner has one table)."""
+    return [KVCacheGroupSpec(KVCacheSpec(), tuple(range(num_layers)))]
+
+
 def num_kv_slots(groups: Sequence[KVCacheGroupSpec]) -> int:
     """How many KV tensors (K and V pairs) the cache needs: the largest group's size."""
     return max(len(g.layer_indices) for g in groups)

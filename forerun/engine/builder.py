@@ -10,7 +10,9 @@ import torch
 
 from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
+from forerun.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.kv_cache_spec import KVCacheGroupSpec, kv_cache_groups, one_group
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.distributed.pipeline_parallel import check_pipeline_parallel
 from forerun.distributed.tensor_parallel import check_tensor_parallel
@@ -58,6 +60,35 @@ def shared_tokenizer(info: ModelInfo) -> Any:
     return tok
 
 
+def engine_kv_cache_groups(config: EngineConfig, info: ModelInfo) -> list[KVCacheGroupSpec]:
+    """The model's KV cache groups (docs/kv_cache.md); one group of every layer where the
+    runner keeps one block table: tensor and pipeline parallel ranks, the simulated device."""
+    mc = info.model_config
+    groups = kv_cache_groups(mc)
+    if len(groups) > 1 and (config.world_size > 1 or config.simulated_device is not None):
+        # Their runners are built with one table for every layer (multiproc_executor.py,
+        # simulated.py): the sliding layers keep every block, as before the hybrid manager.
+        logger.info("hybrid KV cache off (%s): every layer keeps every block",
+                    "tensor/pipeline parallel" if config.world_size > 1 else "simulated device")
+        return one_group(mc.num_hidden_layers)
+    return groups
+
+
+def fitting_model_len(kv: KVCacheManager, max_model_len: int, max_chunk: int) -> int:
+    """The longest sequence (at most ``max_model_len``) whose most blocks at once fit the
+    whole cache: ``num_blocks * block_size`` with one group, more with sliding groups."""
+    if kv.max_blocks_per_request(max_model_len, max_chunk) <= kv.num_blocks:
+        return max_model_len
+    lo, hi = 0, max_model_len  # fits(lo), not fits(hi); blocks needed grow with the length
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kv.max_blocks_per_request(mid, max_chunk) <= kv.num_blocks:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> EngineCore:
     """Load the model on a worker thread and wire scheduler, executor and core together."""
     info = info or resolve_model_info(config)
@@ -70,14 +101,16 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
                 why, depth)
     torch.manual_seed(config.seed)
     bs = config.block_size
-    num_blocks = num_kv_blocks(config, info, dtype, device)
-    if num_blocks * bs < info.max_model_len:
+    groups = engine_kv_cache_groups(config, info)
+    num_blocks = num_kv_blocks(config, info, dtype, device, groups)
+    kv = make_kv_cache_manager(groups, num_blocks, bs, config.enable_prefix_caching)
+    fits = fitting_model_len(kv, info.max_model_len, config.max_num_batched_tokens)
+    if fits < info.max_model_len:
         # A sequence that outgrows the whole cache could only preempt itself forever.
         logger.warning("max_model_len %d does not fit in %d KV blocks of %d; lowering it to %d",
-                       info.max_model_len, num_blocks, bs, num_blocks * bs)
-        info.max_model_len = num_blocks * bs
+                       info.max_model_len, num_blocks, bs, fits)
+        info.max_model_len = fits
     tracer = Tracer(enabled=config.trace_file is not None)
-    kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
     defer = config.defer_block_free if config.defer_block_free is not None else depth > 1
     sched_config = SchedulerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -105,7 +138,8 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
         model = shared_model(info, dtype, device, config.quantization)
         return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
-                           vocab_size=mc.vocab_size, speculative_config=spec_config)
+                           vocab_size=mc.vocab_size, speculative_config=spec_config,
+                           kv_cache_groups=groups if len(groups) > 1 else None)
 
     if config.world_size > 1:
         check_tensor_parallel(mc, config.tensor_parallel_size)

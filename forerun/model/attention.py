@@ -132,6 +132,19 @@ class AttentionMetadata:
     window_views: dict[int, AttentionMetadata] = field(default_factory=dict)
     # Sliding-window causal masks of fresh prompts, by (length, window).
     window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Several KV cache groups (docs/kv_cache.md): this is group 0's; per layer, its group's
+    # metadata (the same batch over that group's block table and slots), None for group 0.
+    layer_metas: list[AttentionMetadata | None] | None = None
+    # Another group's metadata of the same batch: token_indices and kernel_split are its.
+    same_batch_as: AttentionMetadata | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer ``layer`` attends with (its KV cache group's)."""
+        metas = self.layer_metas
+        if metas is None:
+            return self
+        meta = metas[layer]
+        return self if meta is None else meta
 
     def windowed(self, window: int | None) -> AttentionMetadata:
         """The metadata a layer with this sliding ``window`` reads in the torch path (self
@@ -157,6 +170,9 @@ class AttentionMetadata:
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(token_seq, token_len)`` for :func:`cpu_kernels.paged_attention`."""
+        if (self.token_seq is None or self.token_len is None) \
+                and self.same_batch_as is not None:
+            self.token_seq, self.token_len = self.same_batch_as.token_indices()
         if self.token_seq is None or self.token_len is None:
             qsl = np.asarray(self.query_start_loc, dtype=np.int64)
             q_lens = np.diff(qsl)
@@ -171,6 +187,9 @@ class AttentionMetadata:
     def kernel_split(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
         """``(fresh_runs, kernel_ranges)``: the prompt chunks with no earlier context, in
         runs of one length, and the row ranges of the other tokens (decodes, later chunks)."""
+        if (self.fresh_runs is None or self.kernel_ranges is None) \
+                and self.same_batch_as is not None:
+            self.fresh_runs, self.kernel_ranges = self.same_batch_as.kernel_split()
         if self.fresh_runs is None or self.kernel_ranges is None:
             runs: list[tuple[int, int, int]] = []
             ranges: list[tuple[int, int]] = []

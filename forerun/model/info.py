@@ -8,7 +8,7 @@ engine compute the same numbers from the same config.
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from forerun.config import EngineConfig
+from forerun.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.kv_cache_spec import KVCacheGroupSpec, kv_bytes_per_block, one_group
 from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
@@ -93,17 +96,26 @@ def resolve_model_info(config: EngineConfig) -> ModelInfo:
 
 
 def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,
-                  device: torch.device) -> int:
-    """Blocks that fit the KV memory budget (or the override), capped at what can be used."""
+                  device: torch.device,
+                  groups: Sequence[KVCacheGroupSpec] | None = None) -> int:
+    """Blocks that fit the KV memory budget (or the override), capped at what can be used;
+    ``groups``: the KV cache groups (default: one group of every layer)."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     mc, bs = info.model_config, config.block_size
     elem = torch.tensor([], dtype=dtype).element_size()
-    per_block = 2 * mc.num_hidden_layers * bs * mc.num_key_value_heads * mc.head_dim * elem
+    groups = groups or one_group(mc.num_hidden_layers)
+    # A block id is a page in every KV slot; several groups share one more, the null block.
+    per_block = kv_bytes_per_block(groups, bs, mc.num_key_value_heads, mc.head_dim, elem)
+    num_null = 1 if len(groups) > 1 else 0
+    # A sliding group holds only its window's blocks of a long sequence.
+    probe = (KVCacheManager(1, bs, False) if len(groups) == 1
+             else HybridKVCacheManager(groups, 1, bs, False))
+    need = probe.max_blocks_per_request(info.max_model_len, config.max_num_batched_tokens)
     budget = config.kv_cache_bytes(device)
-    ceiling = config.max_num_seqs * math.ceil(info.max_model_len / bs) + 1
-    n = min(budget // per_block, ceiling)
-    if n < math.ceil(info.max_model_len / bs):
+    ceiling = config.max_num_seqs * need + 1
+    n = min(budget // per_block - num_null, ceiling)
+    if n < need:
         raise ValueError(
             f"KV cache memory of {budget} bytes holds {n} blocks, fewer than one sequence of "
             f"max_model_len={info.max_model_len} needs; raise kv_cache_memory_bytes or lower "

@@ -299,9 +299,9 @@ class LlamaForCausalLM(CausalLM):
                                                 kv_caches, attn_metadata)
         else:
             x, residual = intermediate[0], intermediate[1]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             tables = local if layer.self_attn.window is not None else rotary
-            x, residual = layer(x, residual, tables, kv_cache, attn_metadata)
+            x, residual = layer(x, residual, tables, kv_cache, attn_metadata.for_layer(i))
         if self.pp_stage is not None and not self.pp_stage.is_last:
             assert residual is not None  # every stage holds at least one layer
             return torch.stack([x, residual])

@@ -60,6 +60,7 @@ class _StackArgs(ctypes.Structure):
         ("token_seq", ctypes.c_void_p), ("token_len", ctypes.c_void_p),
         ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
         ("moe_intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int64),
+        ("layer_tables", ctypes.c_void_p),
     ]
 
 
@@ -359,6 +360,8 @@ class SmallBatchStack:
         a.slot_mapping, a.block_tables = slot_mapping.data_ptr(), block_tables.data_ptr()
         a.table_stride = block_tables.stride(0)
         a.token_seq, a.token_len = token_seq.data_ptr(), token_len.data_ptr()
+        # Several KV cache groups: each layer's group's table and slots (kept alive here).
+        keep, a.layer_tables = self._group_tables(meta, block_tables.stride(0))
         residual = torch.empty_like(x)
         final_norm = self.model.model.norm.weight
         stack = (cpu_kernels.decoder_stack_quantized if self.quantized
@@ -366,6 +369,30 @@ class SmallBatchStack:
         rc = stack(x.dtype)(
             table.shape[0], table.data_ptr(), _addr(final_norm), x.data_ptr(),
             residual.data_ptr(), x.shape[0], ctypes.addressof(a))
+        del keep
         if rc != 0:
             raise MemoryError("the small-batch path could not allocate its scratch space")
         return x
+
+    def _group_tables(self, meta: AttentionMetadata, stride: int
+                      ) -> tuple[list[torch.Tensor], int | None]:
+        """With several KV cache groups: the tensors to keep alive and the address of the
+        ``[layers, 2]`` table of each layer's block table and slot mapping; else ([], None)."""
+        if meta.layer_metas is None:
+            return [], None
+        keep: list[torch.Tensor] = []
+        addrs: list[int] = []
+        by_meta: dict[int, tuple[int, int]] = {}
+        for i in range(len(meta.layer_metas)):
+            m = meta.for_layer(i)
+            pair = by_meta.get(id(m))
+            if pair is None:
+                tables, slots = m.block_tables.contiguous(), m.slot_mapping.contiguous()
+                # Every group's table has one entry per block of each sequence: one width.
+                assert tables.stride(0) == stride, (tables.shape, stride)
+                keep += [tables, slots]
+                pair = by_meta[id(m)] = (tables.data_ptr(), slots.data_ptr())
+            addrs += pair
+        table = torch.tensor(addrs, dtype=torch.int64)
+        keep.append(table)
+        return keep, table.data_ptr()

@@ -73,11 +73,6 @@ class InputBatch:
             key = rng.key_from_seed(params.seed)
         else:
             key = rng.random_key() if params.sampling_type == SamplingType.RANDOM else 0
-        if len(new.block_ids) != 1:
-            # The layers still read one block table (docs/kv_cache.md, what the runner
-            # must do next).
-            raise NotImplementedError(
-                f"{len(new.block_ids)} KV cache groups: the model runner handles one")
         ids = new.prompt_token_ids
         num_prompt = new.num_prompt_tokens if new.num_prompt_tokens >= 0 else len(ids)
         state = CachedRequestState(

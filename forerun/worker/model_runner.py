@@ -10,12 +10,14 @@ worker/output_plan.py), or one pipeline stage around it (worker/pipeline_stage.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from forerun.core.kv_cache_spec import KVCacheGroupSpec, layer_kv_slots, num_kv_slots
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
-from forerun.model.attention import new_kv_cache
+from forerun.model.attention import KVCache, new_kv_cache
 from forerun.spec_decode.config import SpeculativeConfig
 from forerun.trace import WORKER_LANE, Tracer
 from forerun.worker.input_batch import InputBatch
@@ -58,6 +60,7 @@ class ModelRunner:
         vocab_size: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
         pipeline: PipelineComm | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         self.model = model
         # Pipeline parallel: this runner is one stage (forerun/worker/pipeline.py).
@@ -66,10 +69,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.tracer = tracer or Tracer()
-        self.kv_caches = [
-            new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-            for _ in range(num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(kv_cache_groups, num_blocks, block_size,
+                                            num_kv_heads, head_dim, num_layers, dtype, device)
+        # Several KV cache groups: each layer's group (its block table and slots).
+        self.layer_groups = (None if kv_cache_groups is None or len(kv_cache_groups) == 1
+                             else [gid for gid, _ in layer_kv_slots(kv_cache_groups)])
         self.sampler = Sampler()
         self.vocab_size = vocab_size if vocab_size is not None else _vocab_of(model)
         # Penalty counts, bias rows and bad-word history, per slot, on the device.
@@ -102,7 +106,8 @@ class ModelRunner:
                 self._step = StepState([], [], None, None, so.step_id)
                 return None
             inputs = prepare_inputs(self.requests, so, req_ids, self.block_size, self.device,
-                                    with_drafts=self.spec is not None)
+                                    with_drafts=self.spec is not None,
+                                    layer_groups=self.layer_groups)
             self.backend.fill_placeholders(inputs, self.last_sampled)
             return inputs
 
@@ -121,6 +126,25 @@ class ModelRunner:
         assert step is not None, "sample_tokens without execute_model"
         self._step = None
         return self.backend.sample(step, grammar_bitmask)
+
+
+def allocate_kv_caches(groups: Sequence[KVCacheGroupSpec] | None, num_blocks: int,
+                       block_size: int, num_kv_heads: int, head_dim: int, num_layers: int,
+                       dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+    """Each layer's (K, V) cache. One group (or None): a pair per layer of ``num_blocks``
+    pages. Several: ``num_kv_slots`` pairs of ``num_blocks + 1`` pages (the hybrid pool's
+    null block is page 0), and layer ``l`` gets its slot's pair (``layer_kv_slots``), which
+    the layers of the other groups share at other block ids."""
+    if groups is None or len(groups) == 1:
+        return [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+                for _ in range(num_layers)]
+    slots = [new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device)
+             for _ in range(num_kv_slots(groups))]
+    layers = layer_kv_slots(groups)
+    if len(layers) != num_layers:
+        raise ValueError(f"KV cache groups cover {len(layers)} layers, the model has "
+                         f"{num_layers}")
+    return [slots[slot] for _, slot in layers]
 
 
 def _vocab_of(model: torch.nn.Module) -> int:

@@ -65,15 +65,21 @@ class StepInputs:
 
 def prepare_inputs(requests: dict[str, CachedRequestState], so: SchedulerOutput,
                    req_ids: list[str], block_size: int, device: torch.device,
-                   with_drafts: bool) -> StepInputs:
+                   with_drafts: bool, layer_groups: list[int] | None = None) -> StepInputs:
     """Build the step's inputs and advance each request's ``num_computed_tokens`` (and,
-    where it samples, ``last_sampled_pos``). Placeholders are left unfilled."""
-    flat = _FlatBatch(drafts=[] if with_drafts else None)
+    where it samples, ``last_sampled_pos``). Placeholders are left unfilled.
+
+    ``layer_groups``: with several KV cache groups, each layer's group; every group gets
+    its own block table and slot mapping over the same positions (``meta.for_layer``)."""
+    num_groups = 1 if layer_groups is None else max(layer_groups) + 1
+    flat = _FlatBatch(drafts=[] if with_drafts else None,
+                      slots=[[] for _ in range(num_groups)],
+                      tables=[[] for _ in range(num_groups)])
     spec = so.scheduled_spec_decode_tokens
     for req_id in req_ids:
         flat.add(requests[req_id], so.num_scheduled_tokens[req_id], spec.get(req_id, 0),
                  block_size)
-    return flat.to_inputs(block_size, device)
+    return flat.to_inputs(block_size, device, layer_groups)
 
 
 @dataclass(slots=True)
@@ -81,12 +87,13 @@ class _FlatBatch:
     """The host lists one step's inputs are built from, request after request."""
 
     drafts: list[list[int]] | None
+    # Per KV cache group: the flat rows' slots, and each request's block table.
+    slots: list[list[int]]
+    tables: list[list[list[int]]]
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
     query_start_loc: list[int] = field(default_factory=lambda: [0])
     seq_lens: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)
     sample_req_ids: list[str] = field(default_factory=list)
     sample_slots: list[int] = field(default_factory=list)
@@ -109,16 +116,23 @@ class _FlatBatch:
         row0 = len(self.token_ids)
         self._add_token_ids(state, start, end, drafts)
         self.positions.extend(range(start, end))
-        blocks = state.block_ids[0]  # one KV cache group (InputBatch refuses more)
+        # The same positions in every KV cache group, at that group's block ids.
         if n == 1:
-            self.slots.append(blocks[start // bs] * bs + start % bs)
+            index, offset = start // bs, start % bs
+            for slots, tables, blocks in zip(self.slots, self.tables, state.block_ids,
+                                             strict=True):
+                slots.append(blocks[index] * bs + offset)
+                tables.append(blocks)
         else:
             pos = np.arange(start, end)
-            self.slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
+            index, offset = pos // bs, pos % bs
+            for slots, tables, blocks in zip(self.slots, self.tables, state.block_ids,
+                                             strict=True):
+                slots.extend((np.asarray(blocks)[index] * bs + offset).tolist())
+                tables.append(blocks)
         self.query_start_loc.append(self.query_start_loc[-1] + n)
         self.num_tokens_of[state.req_id] = n
         self.seq_lens.append(end)
-        self.tables.append(blocks)
         state.num_computed_tokens = end
         if state.pooling_params is not None:  # pooled, never sampled
             self.pool_chunks.append(PoolChunk(state.req_id, row0, n, start, end >= known))
@@ -151,16 +165,26 @@ class _FlatBatch:
             self.placeholders.slots.append(state.slot)
             self.placeholders.req_ids.append(state.req_id)
 
-    def to_inputs(self, bs: int, dev: torch.device) -> StepInputs:
-        max_blocks = max(len(t) for t in self.tables)
-        table = np.zeros((len(self.tables), max_blocks), dtype=np.int64)
-        for i, t in enumerate(self.tables):
+    def _meta(self, group: int, bs: int, dev: torch.device) -> AttentionMetadata:
+        tables = self.tables[group]
+        max_blocks = max(len(t) for t in tables)
+        table = np.zeros((len(tables), max_blocks), dtype=np.int64)
+        for i, t in enumerate(tables):
             table[i, : len(t)] = t
-        input_ids = torch.tensor(self.token_ids, dtype=torch.long, device=dev)
-        meta = AttentionMetadata.build(
+        return AttentionMetadata.build(
             self.query_start_loc, self.seq_lens, torch.from_numpy(table),
-            torch.tensor(self.slots, dtype=torch.long), bs, dev,
+            torch.tensor(self.slots[group], dtype=torch.long), bs, dev,
         )
+
+    def to_inputs(self, bs: int, dev: torch.device,
+                  layer_groups: list[int] | None = None) -> StepInputs:
+        input_ids = torch.tensor(self.token_ids, dtype=torch.long, device=dev)
+        meta = self._meta(0, bs, dev)
+        if layer_groups is not None:
+            metas = [meta] + [self._meta(g, bs, dev) for g in range(1, len(self.tables))]
+            for other in metas[1:]:
+                other.same_batch_as = meta
+            meta.layer_metas = [None if g == 0 else metas[g] for g in layer_groups]
         return StepInputs(
             input_ids,
             torch.tensor(self.positions, dtype=torch.long, device=dev),

@@ -42,6 +42,9 @@ typedef struct {
     int64_t table_stride;
     const int64_t *token_seq, *token_len;              /* [t], [t] */
     int64_t num_experts, top_k, moe_intermediate, renormalize; /* MoE layers (moe_block.c) */
+    /* NULL, or [layers, 2]: each layer's block table and slot mapping, in place of the two
+     * above (a hybrid KV cache: one table per group, every table table_stride wide). */
+    const int64_t *layer_tables;
 } stack_args_t;
 
 int rms_norm_f32(float *, float *, const float *, int64_t, int64_t, float);
@@ -122,9 +125,14 @@ static int moe_block_none(const uint16_t *h, uint16_t *out, int64_t t, int64_t h
             rotary_##SFX(qkv, t, NH, row, D, a->cos_half, a->sin_half);                         \
             rotary_##SFX(qkv + qs, t, KVH, row, D, a->cos_half, a->sin_half);                   \
             void *kc = (void *)(intptr_t)lp[K_CACHE], *vc = (void *)(intptr_t)lp[V_CACHE];      \
-            kv_cache_write(qkv + qs, qkv + qs + kvs, row, a->slot_mapping, kc, vc, t, KVH,      \
+            const int64_t *tables = a->block_tables, *slots = a->slot_mapping;                  \
+            if (a->layer_tables) {                                                              \
+                tables = (const int64_t *)(intptr_t)a->layer_tables[2 * l];                     \
+                slots = (const int64_t *)(intptr_t)a->layer_tables[2 * l + 1];                  \
+            }                                                                                   \
+            kv_cache_write(qkv + qs, qkv + qs + kvs, row, slots, kc, vc, t, KVH,                \
                            a->block_size, D, sizeof(T));                                        \
-            if (paged_attention_##SFX(qkv, row, kc, vc, a->block_tables, a->table_stride,       \
+            if (paged_attention_##SFX(qkv, row, kc, vc, tables, a->table_stride,                \
                                       a->token_seq, a->token_len, attn, t, NH, KVH,             \
                                       a->block_size, D, a->scale, lp[WINDOW], 0.f, NULL) != 0) \
                 rc = -1;                                                                        \
