@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from forerun.config import EngineConfig
+from forerun.model import kv_quant
 from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
@@ -98,8 +99,12 @@ def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     mc, bs = info.model_config, config.block_size
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_block = 2 * mc.num_hidden_layers * bs * mc.num_key_value_heads * mc.head_dim * elem
+    cache_dtype = config.resolve_kv_cache_dtype(dtype)
+    elem = torch.tensor([], dtype=cache_dtype).element_size()
+    # K and V values, and a quantized cache's float32 scale per (block, head) for each.
+    per_block = mc.num_hidden_layers * (
+        2 * bs * mc.num_key_value_heads * mc.head_dim * elem
+        + kv_quant.scale_bytes_per_block(mc.num_key_value_heads, cache_dtype))
     budget = config.kv_cache_bytes(device)
     ceiling = config.max_num_seqs * math.ceil(info.max_model_len / bs) + 1
     n = min(budget // per_block, ceiling)

@@ -75,7 +75,7 @@ class DecoderAttention(nn.Module):
             q = apply_rotary(q, rotary)
             k = apply_rotary(k, rotary)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              self.window, self.softcap)
+                              self.window, self.softcap, kv_cache[2:])
         return self.o_proj(out)
 
 

@@ -58,6 +58,7 @@ class ModelRunner:
         vocab_size: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
         pipeline: PipelineComm | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         # Pipeline parallel: this runner is one stage (forerun/worker/pipeline.py).
@@ -67,7 +68,8 @@ class ModelRunner:
         self.dtype = dtype
         self.tracer = tracer or Tracer()
         self.kv_caches = [
-            new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+            new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                         kv_cache_dtype)
             for _ in range(num_layers)
         ]
         self.sampler = Sampler()

@@ -30,6 +30,8 @@ enum {
     W_ROUTER,  /* a mixture-of-experts layer (W_GATE_UP and W_DOWN 0): its router, float32 */
     W_EXPERTS, /* int64 [2 * num_experts]: each expert's gate/up and down weights */
     WINDOW,    /* not an address: the layer's sliding window (0: full attention; Mistral) */
+    K_SCALE,   /* a quantized KV cache (kv_type > 0): float32 [num_blocks, kv_heads] scales */
+    V_SCALE,
     NUM_LAYER_PTRS
 };
 
@@ -42,6 +44,7 @@ typedef struct {
     int64_t table_stride;
     const int64_t *token_seq, *token_len;              /* [t], [t] */
     int64_t num_experts, top_k, moe_intermediate, renormalize; /* MoE layers (moe_block.c) */
+    int64_t kv_type; /* the KV cache's element kind: KV_NATIVE (0) or a 1-byte one */
 } stack_args_t;
 
 int rms_norm_f32(float *, float *, const float *, int64_t, int64_t, float);
@@ -72,6 +75,12 @@ int moe_block_q_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, in
                      int64_t, const float *, const int64_t *);
 int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *, void *, int64_t,
                    int64_t, int64_t, int64_t, int64_t);
+int kv_cache_write_kvq(const void *, const void *, int64_t, const int64_t *, void *, void *,
+                       float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+int paged_attention_kvq(const void *, int64_t, const void *, const void *, const float *,
+                        const float *, int64_t, const int64_t *, int64_t, const int64_t *,
+                        const int64_t *, void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float, int64_t, float, int64_t);
 
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
 
@@ -121,12 +130,23 @@ static int moe_block_none(const uint16_t *h, uint16_t *out, int64_t t, int64_t h
             rotary_##SFX(qkv, t, NH, row, D, a->cos_half, a->sin_half);                         \
             rotary_##SFX(qkv + qs, t, KVH, row, D, a->cos_half, a->sin_half);                   \
             void *kc = (void *)(intptr_t)lp[K_CACHE], *vc = (void *)(intptr_t)lp[V_CACHE];      \
-            kv_cache_write(qkv + qs, qkv + qs + kvs, row, a->slot_mapping, kc, vc, t, KVH,      \
-                           a->block_size, D, sizeof(T));                                        \
-            if (paged_attention_##SFX(qkv, row, kc, vc, a->block_tables, a->table_stride,       \
-                                      a->token_seq, a->token_len, attn, t, NH, KVH,             \
-                                      a->block_size, D, a->scale, lp[WINDOW], 0.f) != 0)       \
-                rc = -1;                                                                        \
+            if (a->kv_type) { /* a quantized cache: its scales in the table */                  \
+                float *ksc = (float *)(intptr_t)lp[K_SCALE], *vsc = (float *)(intptr_t)lp[V_SCALE]; \
+                kv_cache_write_kvq(qkv + qs, qkv + qs + kvs, row, a->slot_mapping, kc, vc, ksc,  \
+                                   vsc, t, KVH, a->block_size, D, sizeof(T) == 2, a->kv_type);  \
+                if (paged_attention_kvq(qkv, row, kc, vc, ksc, vsc, a->kv_type,                 \
+                                        a->block_tables, a->table_stride, a->token_seq,         \
+                                        a->token_len, attn, t, NH, KVH, a->block_size, D,       \
+                                        a->scale, lp[WINDOW], 0.f, sizeof(T) == 2) != 0)        \
+                    rc = -1;                                                                    \
+            } else {                                                                            \
+                kv_cache_write(qkv + qs, qkv + qs + kvs, row, a->slot_mapping, kc, vc, t, KVH,  \
+                               a->block_size, D, sizeof(T));                                    \
+                if (paged_attention_##SFX(qkv, row, kc, vc, a->block_tables, a->table_stride,   \
+                                          a->token_seq, a->token_len, attn, t, NH, KVH,         \
+                                          a->block_size, D, a->scale, lp[WINDOW], 0.f) != 0)   \
+                    rc = -1;                                                                    \
+            }                                                                                   \
             if (MM(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs) != 0) rc = -1;                    \
             rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \
             if (lp[W_ROUTER]) {                                                                 \
