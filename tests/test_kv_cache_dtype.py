@@ -134,13 +134,19 @@ def test_write_rescales_a_block_whose_values_outgrow_its_scale(name: str) -> Non
                 before = kv[3][1, 0].item()
         after = kv[3][1, 0].item()
         qmax = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}[name]
-        assert after == pytest.approx(x.abs().max().item() / qmax) and after > 5 * before
+        need = x.abs().max().item() / qmax
+        # fp8 scales are powers of two (the one at or above |max| / qmax)
+        expected = need if name == "int8" else 2.0 ** np.ceil(np.log2(need))
+        assert after == pytest.approx(expected) and after > 5 * before
         _, vd = _dequantized(kv)
         err = (vd[1, 0] - x[:, 0].double()).abs()
         # int8: within 1.5 codes of the final scale (one rounding, one re-quantization);
-        # fp8: a relative error of about 2^-mantissa_bits, twice.
+        # fp8: half a unit in the last place, once (a power-of-two rescale is exact), or
+        # half the smallest subnormal step.
+        mbits = 3 if name == "fp8_e4m3" else 2
         bound = 1.5 * after if name == "int8" else (
-            2 * 2.0 ** -(3 if name == "fp8_e4m3" else 2) * x[:, 0].abs().double() + 1e-3 * after)
+            2.0 ** -(mbits + 1) * x[:, 0].abs().double() + after * 2.0 ** -(
+                (9 if name == "fp8_e4m3" else 16) + 1))
         assert (err <= bound).all(), (name, path, err.max())
         caches[path] = kv
     if "C" in caches:  # the same codes, but where a scale's last bit rounds another way
@@ -232,7 +238,9 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize(("name", "tolerance"), [
     ("int8", 0.01), ("fp8_e4m3", 0.01),
-    ("fp8_e5m2", 0.04),  # 2 mantissa bits: a relative error per value of up to 1/8
+    # 2 mantissa bits: a relative error per value of up to 1/8 (measured: int8 -0.04%,
+    # fp8_e4m3 +0.58%, fp8_e5m2 +0.54%; docs/kv_cache.md)
+    ("fp8_e5m2", 0.02),
 ])
 def test_nll_near_auto(llm_cache, name: str, tolerance: float) -> None:
     """Teacher-forced NLL of a fixed text, one prompt: its chunk attends to its own rows as

@@ -83,8 +83,8 @@ def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     ``v_rows`` / ``k_elems`` are where each (token, head) row goes in the caches' flat views
     (:func:`forerun.model.attention.write_kv`'s indices). Per touched (block, head): a step
     that writes the block's offset 0 starts its scale afresh, otherwise the scale grows to
-    the step's |max| / qmax if that is larger, and the block's stored codes are re-quantized
-    to the grown scale (a ratio of 1 leaves every code as it is, so the untouched ones are
+    the step's |max| / qmax if that is larger (for fp8 rounded up to a power of two), and
+    the block's stored codes are re-quantized to the grown scale (a ratio of 1 leaves every code as it is, so the untouched ones are
     rewritten unchanged rather than tested for on the host)."""
     t, kvh, d = k.shape
     bs = v_cache.shape[2]
@@ -100,6 +100,10 @@ def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         need = torch.zeros(touched.shape[0], kvh, dtype=torch.float32, device=x.device)
         need.scatter_reduce_(0, inverse.unsqueeze(1).expand(t, kvh), amax, "amax")
         need.div_(_QMAX[dtype])
+        if dtype != torch.int8:  # fp8: the power of two at or above (rescales are exact)
+            mant, exp = torch.frexp(need)
+            pow2 = torch.ldexp(torch.ones_like(need), exp)
+            need = torch.where((need > 0) & (mant != 0.5), pow2, need)
         flat_scale = scale.view(-1)
         old = flat_scale.index_select(0, runs).view(-1, kvh)
         old = torch.where((first == 0).unsqueeze(1), torch.zeros_like(old), old)

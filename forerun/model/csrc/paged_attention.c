@@ -35,6 +35,9 @@
 #include "bf16.h"
 
 #define INLINE static inline __attribute__((always_inline))
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* What a KV cache element is: the query's dtype (float32 / bfloat16), or one byte. */
 enum { KV_NATIVE = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3 };
@@ -196,7 +199,26 @@ INLINE void load_kv_row(const void *src, int is_bf16, int kv, int64_t i, int64_t
         return;
     }
     const uint8_t *s = (const uint8_t *)src + i * n;
-    for (int64_t d = 0; d < n; ++d) dst[d] = kv_elem(s, kv, 0, d);
+    int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    /* fp8 8 at a time through halves (as load16 does), not one table lookup a value: the
+     * lookups made an fp8 cache no faster than float32 on an AVX2 CPU */
+    if (kv == KV_FP8_E4M3 || kv == KV_FP8_E5M2) {
+        for (; d + 8 <= n; d += 8) {
+            const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(s + d)));
+            if (kv == KV_FP8_E5M2) {
+                _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
+            } else {
+                const __m128i h = _mm_or_si128(
+                    _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                    _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+                _mm256_storeu_ps(dst + d,
+                                 _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f)));
+            }
+        }
+    }
+#endif
+    for (; d < n; ++d) dst[d] = kv_elem(s, kv, 0, d);
 }
 
 INLINE void store_row(void *dst, int is_bf16, int64_t i, int64_t D, const float *src) {
@@ -450,7 +472,9 @@ int kv_cache_write(const void *k_src, const void *v_src, int64_t src_stride,
  * step's tokens that land in one block (adjacent in the batch: one sequence's) are a run; a
  * run that starts the block (offset 0) sets the scale to the run's |max| / qmax, a later run
  * keeps it unless one of its values is larger, and then the block's stored values are first
- * re-quantized to the grown scale (a rare event after a block's first few tokens). One
+ * re-quantized to the grown scale (a rare event after a block's first few tokens). fp8
+ * scales are powers of two (a float format's relative precision does not depend on where
+ * its top lands), so that re-quantization only shifts exponents: exact. One
  * thread per (kv head, K or V): each owns its scales, and takes its runs in batch order. */
 int kv_cache_write_kvq(const void *k_src, const void *v_src, int64_t src_stride,
                        const int64_t *slot_mapping, void *k_cache, void *v_cache,
@@ -483,7 +507,12 @@ int kv_cache_write_kvq(const void *k_src, const void *v_src, int64_t src_stride,
             }
             uint8_t *run = cache + (size_t)(blk * KVH + h) * BS * D; /* the (block, head) */
             const float old = first == 0 ? 0.f : scales[blk * KVH + h];
-            const float need = amax / qmax, s = need > old ? need : old;
+            float need = amax / qmax;
+            if (kind != KV_INT8 && need > 0.f) { /* fp8: the power of two at or above it */
+                int e;
+                if (frexpf(need, &e) != 0.5f) need = ldexpf(1.f, e);
+            }
+            const float s = need > old ? need : old;
             if (old > 0.f && s > old) { /* grown: the stored values to the new scale */
                 const float r = old / s;
                 for (int64_t i = 0; i < BS * D; ++i)
