@@ -29,8 +29,10 @@ def _dequantized(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tens
 
 
 def _reference(q: torch.Tensor, kv: tuple[torch.Tensor, ...], tables: torch.Tensor,
-               qsl: list[int], seq_lens: list[int], bs: int, scale: float) -> torch.Tensor:
-    """Causal GQA attention in float64 of every query row over its dequantized context."""
+               qsl: list[int], seq_lens: list[int], bs: int, scale: float,
+               window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention in float64 of every query row over its dequantized context (the
+    last ``window`` positions of it, if given)."""
     kd, vd = _dequantized(kv)
     out = torch.empty(q.shape, dtype=torch.float64)
     for s, n in enumerate(seq_lens):
@@ -39,9 +41,10 @@ def _reference(q: torch.Tensor, kv: tuple[torch.Tensor, ...], tables: torch.Tens
         keys, vals = kd[blocks, :, pos % bs], vd[blocks, :, pos % bs]  # [n, KVH, D]
         for r in range(qsl[s], qsl[s + 1]):
             seen = n - (qsl[s + 1] - r) + 1
+            lo = max(0, seen - window) if window else 0
             qr = q[r].double().view(KVH, H // KVH, -1)
-            sc = torch.einsum("kgd,nkd->kgn", qr, keys[:seen]) * scale
-            out[r] = torch.einsum("kgn,nkd->kgd", sc.softmax(-1), vals[:seen]).reshape(H, -1)
+            sc = torch.einsum("kgd,nkd->kgn", qr, keys[lo:seen]) * scale
+            out[r] = torch.einsum("kgn,nkd->kgd", sc.softmax(-1), vals[lo:seen]).reshape(H, -1)
     return out
 
 
@@ -65,7 +68,8 @@ def _steps(d: int, bs: int, rng: torch.Generator):
 
 
 def _run(name: str, use_c: bool, d: int, bs: int, q_dtype: torch.dtype,
-         monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+         monkeypatch: pytest.MonkeyPatch, window: int | None = None
+         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     cache_dtype = kv_quant.resolve_kv_cache_dtype(name, q_dtype)
     kv = new_kv_cache(16, bs, KVH, d, q_dtype, torch.device("cpu"), cache_dtype)
     assert len(kv) == 4 and kv[0].dtype == cache_dtype and kv[2].shape == (16, KVH)
@@ -82,22 +86,24 @@ def _run(name: str, use_c: bool, d: int, bs: int, q_dtype: torch.dtype,
         q, k, v = (x[0].repeat(1, H // KVH, 1).to(q_dtype), x[1].to(q_dtype), x[2].to(q_dtype))
         meta = AttentionMetadata.build(qsl, lens_now, tables[seqs], torch.tensor(slots), bs,
                                        torch.device("cpu"))
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, d ** -0.5, kv_scales=kv[2:])
-        ref = _reference(q, kv, tables[seqs], qsl, lens_now, bs, d ** -0.5)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, d ** -0.5, window, kv_scales=kv[2:])
+        ref = _reference(q, kv, tables[seqs], qsl, lens_now, bs, d ** -0.5, window)
         results.append((out.view(q.shape).double(), ref))
     monkeypatch.undo()
     return results
 
 
 @pytest.mark.parametrize("name", DTYPES)
-@pytest.mark.parametrize(("d", "bs"), [(64, 16), (32, 8)])  # the specialised and generic bodies
+# The specialised and the generic bodies, and a sliding window (of 11: it starts mid-block).
+@pytest.mark.parametrize(("d", "bs", "window"), [(64, 16, None), (32, 8, None), (64, 16, 11)])
 def test_attention_matches_float64_on_the_dequantized_cache(name: str, d: int, bs: int,
+                                                           window: int | None,
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     paths = [False] + ([True] if cpu_kernels.supports(torch.float32, torch.device("cpu"))
                        else [])
     for use_c in paths:
-        for out, ref in _run(name, use_c, d, bs, torch.float32, monkeypatch):
+        for out, ref in _run(name, use_c, d, bs, torch.float32, monkeypatch, window):
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5,
                                        msg=f"{name} {'C' if use_c else 'torch'}")
 
