@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from forerun.model.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from forerun.sampling_params import check_int
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(
         2048, "the per-step token budget; prefill is chunked by it")
     block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_dtype: str = _opt(
+        "auto", "the KV cache's storage: auto (the model dtype), int8, fp8 (= fp8_e4m3) or "
+                "fp8_e5m2, 1 byte a value with a scale per block and head (docs/kv_cache.md); "
+                "or bfloat16, float16, float32", choices=tuple(KV_CACHE_DTYPES))
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
     kv_cache_memory_bytes: int | None = _opt(
         None, "KV cache size in bytes (default: 2 GiB on CPU, a share of free memory on CUDA)")
@@ -128,6 +133,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be at least 1")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # the name, checked early
         if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be at least 1")
         resolve_async_mode(self.async_scheduling)  # validates
@@ -220,6 +226,17 @@ class EngineConfig:
         if dt == torch.float16 and device.type == "cpu":
             raise ValueError("dtype float16 is supported on CUDA only; use bfloat16 on CPU")
         return dt
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's storage dtype for a model computing in ``model_dtype``."""
+        dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_dtype)
+        if dtype == torch.float16 and model_dtype != torch.float16:
+            raise ValueError("kv_cache_dtype float16 needs dtype float16 (CUDA); use auto, "
+                             "bfloat16, int8 or fp8")
+        if dtype.is_floating_point and dtype.itemsize > 1 and dtype != model_dtype:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} differs from the model "
+                             f"dtype {model_dtype}; use auto, int8 or fp8")
+        return dtype
 
     def resolve_async(self) -> tuple[bool, int, str]:
         """Return (async on, queue depth, why) for this configuration.

@@ -27,7 +27,8 @@ class PagedDriver:
     """Runs a model over a private paged KV cache; sequences are identified by any hashable."""
 
     def __init__(
-        self, model: CausalLM, num_blocks: int = 256, block_size: int = 4, seed: int = 0
+        self, model: CausalLM, num_blocks: int = 256, block_size: int = 4, seed: int = 0,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -36,7 +37,7 @@ class PagedDriver:
         self.device = param.device
         self.kv_caches: list[KVCache] = [
             new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                         param.dtype, self.device)
+                         param.dtype, self.device, cache_dtype)
             for _ in range(cfg.num_hidden_layers)
         ]
         self._free = list(range(num_blocks))

@@ -21,6 +21,7 @@ NON_DEFAULTS: dict[str, tuple[list[str], object]] = {
     "max_num_seqs": (["7"], 7),
     "max_num_batched_tokens": (["300"], 300),
     "block_size": (["32"], 32),
+    "kv_cache_dtype": (["int8"], "int8"),
     "kv_cache_memory_bytes": (["1048576"], 1048576),
     "gpu_memory_utilization": (["0.5"], 0.5),
     "num_gpu_blocks_override": (["64"], 64),

@@ -139,7 +139,8 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
         return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
                            vocab_size=mc.vocab_size, speculative_config=spec_config,
-                           kv_cache_groups=groups if len(groups) > 1 else None)
+                           kv_cache_groups=groups if len(groups) > 1 else None,
+                           kv_cache_dtype=config.resolve_kv_cache_dtype(dtype))
 
     if config.world_size > 1:
         check_tensor_parallel(mc, config.tensor_parallel_size)

@@ -32,6 +32,13 @@ gpt-oss's attention sinks (``sinks``, one learned logit per query head) join eac
 denominator only. SDPA cannot add them, so with sinks every token goes to the C kernel, and
 the torch path computes its scores explicitly (as for soft-capping).
 
+A quantized cache (``kv_cache_dtype`` int8 / fp8, :mod:`forerun.model.kv_quant`) adds a
+float32 scale per (block, kv head) for K and for V: the layer's cache is then
+``(k, v, k_scale, v_scale)`` and ``paged_attention`` takes the scales as ``kv_scales``. The C
+kernels dequantize inside their dot products; the torch path dequantizes only the runs it
+gathers. Prompt chunks with no earlier context attend to their own rows as the cache holds
+them (read back, dequantized), so every path sees the same keys and values.
+
 Everything that depends only on the batch shape (gather indices, masks) is computed once per
 step, by ``AttentionMetadata`` on the first layer's request (the torch path's indices and
 masks only if that path runs), so that the per-layer path is a handful of tensor ops with no
@@ -46,17 +53,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from forerun.model import cpu_kernels
+from forerun.model import cpu_kernels, kv_quant
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# (K, V), or (K, V, K scales, V scales) for a quantized cache.
+KVCache = tuple[torch.Tensor, ...]
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCache:
-    """One layer's zeroed (K, V) cache pair in the layout described above."""
-    k = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
-    v = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
-    return k, v
+                 dtype: torch.dtype, device: torch.device,
+                 cache_dtype: torch.dtype | None = None) -> KVCache:
+    """One layer's zeroed (K, V) cache pair in the layout described above, in ``dtype``
+    unless ``cache_dtype`` says otherwise; a 1-byte ``cache_dtype`` (int8, fp8) adds the
+    float32 scales ``[num_blocks, num_kv_heads]`` of K and of V."""
+    store = dtype if cache_dtype is None else cache_dtype
+    k = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=store, device=device)
+    v = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=store, device=device)
+    if not kv_quant.is_quantized(store):
+        return k, v
+    scales = torch.zeros(2, num_blocks, num_kv_heads, dtype=torch.float32, device=device)
+    return k, v, scales[0], scales[1]
 
 
 def _head_runs(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -367,11 +382,9 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(_softmax_with_sinks(scores, sink).to(v.dtype), v)
 
 
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-) -> None:
-    """Store this step's K/V rows ``[T, KVH, D]`` in their cache slots (torch path)."""
+def _write_indices(v_cache: torch.Tensor, meta: AttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(write_rows, write_k_elems)`` of the step (see :class:`AttentionMetadata`)."""
     kvh, bs, d = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     if meta.write_rows is None or meta.write_k_elems is None:
         slots = meta.slot_mapping
@@ -381,14 +394,39 @@ def write_kv(
         meta.write_rows = (blk_head * bs + off).reshape(-1)
         dims = torch.arange(d, device=slots.device)
         meta.write_k_elems = ((blk_head.unsqueeze(2) * d + dims) * bs + off.unsqueeze(2)).reshape(-1)
-    k_cache.view(-1).index_copy_(0, meta.write_k_elems, k.reshape(-1))
-    v_cache.view(-1, d).index_copy_(0, meta.write_rows, v.reshape(-1, d))
+    return meta.write_rows, meta.write_k_elems
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Store this step's K/V rows ``[T, KVH, D]`` in their cache slots (torch path);
+    quantized, with the cache's scales ``kv_scales``."""
+    d = v_cache.shape[3]
+    rows, k_elems = _write_indices(v_cache, meta)
+    if kv_scales is not None:
+        kv_quant.write_kv_quantized(k, v, k_cache, v_cache, kv_scales[0], kv_scales[1],
+                                    meta.slot_mapping, rows, k_elems)
+        return
+    k_cache.view(-1).index_copy_(0, k_elems, k.reshape(-1))
+    v_cache.view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
+
+
+def _read_back(k_cache: torch.Tensor, v_cache: torch.Tensor,
+               kv_scales: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's K/V rows as a quantized cache holds them (dequantized to ``dtype``)."""
+    rows, k_elems = _write_indices(v_cache, meta)
+    return kv_quant.read_rows(k_cache, v_cache, kv_scales[0], kv_scales[1], meta.slot_mapping,
+                              rows, k_elems, dtype)
 
 
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """All single-token queries of the step in one call, from tensor ops: gather the
     context densely, then two matmuls (or SDPA off the CPU); returns [B_dec, H, D]."""
@@ -407,9 +445,14 @@ def decode_attention_torch(
     # indexing, and far faster than per-slot rows.
     # Keys arrive [B, KVH, n_blocks, D, bs]: one copy makes them [B, KVH, D, ctx], the
     # right-hand side of q @ k^T.
-    kt = k_runs.index_select(0, meta.decode_runs).view(b, kvh, ctx // bs, d, bs)
-    kt = kt.permute(0, 1, 3, 2, 4).reshape(b, kvh, d, ctx)
-    v = v_runs.index_select(0, meta.decode_runs).view(b, kvh, ctx, d)
+    if kv_scales is None:
+        kt = k_runs.index_select(0, meta.decode_runs)
+        v = v_runs.index_select(0, meta.decode_runs)
+    else:  # dequantized as gathered: only the context's runs
+        kt = kv_quant.gather_runs(k_cache, kv_scales[0], meta.decode_runs, q.dtype)
+        v = kv_quant.gather_runs(v_cache, kv_scales[1], meta.decode_runs, q.dtype)
+    kt = kt.view(b, kvh, ctx // bs, d, bs).permute(0, 1, 3, 2, 4).reshape(b, kvh, d, ctx)
+    v = v.view(b, kvh, ctx, d)
     if q.device.type != "cpu" and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(qg, kt.transpose(-1, -2), v,
                                              attn_mask=meta.decode_mask, scale=scale)
@@ -430,9 +473,10 @@ def decode_attention_torch(
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_runs: torch.Tensor,
     v_runs: torch.Tensor, span: PrefillSpan, scale: float, softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, caches: KVCache | None = None,
 ) -> torch.Tensor:
-    """Causal attention for one prefill chunk; returns [q_len, H, D]."""
+    """Causal attention for one prefill chunk; returns [q_len, H, D]. ``caches`` (a
+    quantized layer cache) makes the context runs dequantized as they are gathered."""
     qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
     kvh, d = k.shape[1], k.shape[2]
     if span.context_blocks is None:
@@ -441,10 +485,16 @@ def _prefill_attention(
     else:
         if span.context_runs is None:
             span.context_runs = _head_runs(span.context_blocks, kvh)
-        kt = k_runs.index_select(0, span.context_runs).view(kvh, -1, d, k_runs.shape[1] // d)
+        if caches is None:
+            kt = k_runs.index_select(0, span.context_runs)
+            vt = v_runs.index_select(0, span.context_runs)
+        else:
+            kt = kv_quant.gather_runs(caches[0], caches[2], span.context_runs, q.dtype)
+            vt = kv_quant.gather_runs(caches[1], caches[3], span.context_runs, q.dtype)
+        kt = kt.view(kvh, -1, d, k_runs.shape[1] // d)
         n_keys = span.seq_len - span.context_start
         ks = kt.transpose(-1, -2).reshape(1, kvh, -1, d)[:, :, :n_keys]
-        vs = v_runs.index_select(0, span.context_runs).view(1, kvh, -1, d)[:, :, :n_keys]
+        vs = vt.view(1, kvh, -1, d)[:, :, :n_keys]
     out = _capped_attention(qs, ks, vs, span.mask, span.mask is None, scale, softcap, sinks)
     return out.squeeze(0).transpose(0, 1)
 
@@ -487,18 +537,23 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Write k/v ([T, KVH, D]) into the cache, then attend q ([T, H, D]); returns [T, H*D].
 
     ``window``: a sliding-window layer's (each token sees its last ``window`` positions);
     ``softcap``: scaled scores become ``softcap * tanh(score / softcap)``; ``sinks`` ``[H]``:
-    gpt-oss's per-head logits in each softmax's denominator."""
+    gpt-oss's per-head logits in each softmax's denominator; ``kv_scales``: a quantized
+    cache's (K scales, V scales), None (or empty) for the model dtype."""
     t, num_heads, d = q.shape
+    scales = (kv_scales[0], kv_scales[1]) if kv_scales else None
     if _use_kernels(q, k, v):
-        cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache)
+        cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache, scales)
         fresh, ranges = meta.kernel_split()
         if softcap is not None or sinks is not None:  # SDPA cannot: all to the C kernel
             fresh, ranges = [], [(0, t)]
+        if fresh and scales is not None:  # fresh prompts read their rows as stored
+            k, v = _read_back(k_cache, v_cache, scales, meta, q.dtype)
 
         def fresh_mask(length: int) -> torch.Tensor | None:
             return meta.window_mask(length, window) if window and length > window else None
@@ -510,24 +565,29 @@ def paged_attention(
         if not fresh:
             out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                               token_seq, token_len, scale, None, window,
-                                              softcap, sinks)
+                                              softcap, sinks, scales)
             return out.view(t, num_heads * d)
         out = q.new_empty(t, num_heads, d)
         for lo, hi in ranges:
             cpu_kernels.paged_attention(q[lo:hi], k_cache, v_cache, meta.block_tables,
                                         token_seq[lo:hi], token_len[lo:hi], scale, out[lo:hi],
-                                        window, softcap, sinks)
+                                        window, softcap, sinks, scales)
         for start, count, length in fresh:
             out[start:start + count * length] = _fresh_prompt_attention(
                 q, k, v, start, count, length, scale, fresh_mask(length))
         return out.view(t, num_heads * d)
     meta = meta.windowed(window)
     meta.build_torch_path()
-    write_kv(k, v, k_cache, v_cache, meta)
+    write_kv(k, v, k_cache, v_cache, meta, scales)
     if not meta.prefills and meta.decode_row_range == (0, t):
         # Pure decode step (the common case): no scatter into a separate output.
         return decode_attention_torch(q, k_cache, v_cache, meta, scale, softcap,
-                                      sinks).reshape(t, num_heads * d)
+                                      sinks, scales).reshape(t, num_heads * d)
+    caches = None
+    if scales is not None:
+        caches = (k_cache, v_cache, *scales)
+        if any(span.context_blocks is None for span in meta.prefills):
+            k, v = _read_back(k_cache, v_cache, scales, meta, q.dtype)
     # [num_blocks * KVH, block_size * D] views: one contiguous run per (block, head).
     k_runs = k_cache.view(-1, v_cache.shape[2] * d)
     v_runs = v_cache.view(-1, v_cache.shape[2] * d)
@@ -536,13 +596,13 @@ def paged_attention(
         if meta.decode_row_range is not None:
             lo, hi = meta.decode_row_range
             out[lo:hi] = decode_attention_torch(q[lo:hi], k_cache, v_cache, meta, scale,
-                                                softcap, sinks)
+                                                softcap, sinks, scales)
         else:
             assert meta.decode_rows is not None
             q_dec = q.index_select(0, meta.decode_rows)
             out.index_copy_(0, meta.decode_rows, decode_attention_torch(
-                q_dec, k_cache, v_cache, meta, scale, softcap, sinks))
+                q_dec, k_cache, v_cache, meta, scale, softcap, sinks, scales))
     for span in meta.prefills:
         out[span.start:span.end] = _prefill_attention(q, k, v, k_runs, v_runs, span, scale,
-                                                      softcap, sinks)
+                                                      softcap, sinks, caches)
     return out.view(t, num_heads * d)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from forerun import envs
+from forerun.model import kv_quant
 from forerun.model.cache import cache_root
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,13 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_cache_write.restype = ctypes.c_int
     lib.kv_cache_write.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                    _i64]
+    lib.kv_cache_write_kvq.restype = ctypes.c_int
+    lib.kv_cache_write_kvq.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+                                       _i64, _i64, _i64, _i64, _i64]
+    lib.paged_attention_kvq.restype = ctypes.c_int
+    lib.paged_attention_kvq.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
+                                        _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                        ctypes.c_float, _i64, ctypes.c_float, _ptr, _i64]
     lib.argmax_rows_f32.restype = ctypes.c_int
     lib.argmax_rows_f32.argtypes = [_ptr, _ptr, _i64, _i64]
     lib.small_matmul_bf16_is_fast.restype = ctypes.c_int
@@ -208,17 +216,31 @@ def _check_rows(x: torch.Tensor) -> None:
 
 
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Store ``k``/``v`` ``[T, KVH, D]`` in the cache slots ``slot_mapping`` ``[T]`` int64;
-    caches as :func:`forerun.model.attention.new_kv_cache` lays them out."""
+    caches as :func:`forerun.model.attention.new_kv_cache` lays them out (a quantized one
+    with its ``kv_scales``, updated as docs/kv_cache.md "Quantized KV" says)."""
     _check_rows(k)
     _check_rows(v)
     assert k.stride(0) == v.stride(0) and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
     t, kvh, d = k.shape
     lib = kernel_library()
     assert lib is not None, "call supports() first"
+    if kv_scales is not None:
+        ks, vs = kv_scales
+        assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype
+        assert ks.dtype == vs.dtype == torch.float32 and ks.is_contiguous() and vs.is_contiguous()
+        rc = lib.kv_cache_write_kvq(k.data_ptr(), v.data_ptr(), k.stride(0),
+                                    slot_mapping.data_ptr(), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), ks.data_ptr(), vs.data_ptr(), t, kvh,
+                                    v_cache.shape[2], d, int(k.dtype == torch.bfloat16),
+                                    kv_quant.kind_code(k_cache.dtype))
+        if rc != 0:
+            raise ValueError(f"kv_cache_write: unsupported cache dtype {k_cache.dtype}")
+        return
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
     rc = lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
                             k_cache.data_ptr(), v_cache.data_ptr(), t, kvh, v_cache.shape[2], d,
                             k.element_size())
@@ -231,6 +253,7 @@ def paged_attention(
     block_tables: torch.Tensor, token_seq: torch.Tensor, token_len: torch.Tensor,
     scale: float, out: torch.Tensor | None = None, window: int | None = None,
     softcap: float | None = None, sinks: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context.
 
@@ -241,7 +264,9 @@ def paged_attention(
     ``window`` of those (a sliding-window layer; blocks before it are not read), and
     ``softcap`` caps each scaled score as ``softcap * tanh(score / softcap)``; ``sinks``
     ``[H]`` (gpt-oss) adds ``exp(sinks[h])`` to head ``h``'s softmax denominator. Returns
-    ``[T, H, D]`` contiguous (written into ``out`` when given).
+    ``[T, H, D]`` contiguous (written into ``out`` when given). A quantized cache comes
+    with its ``kv_scales`` (K, V) ``[num_blocks, KVH]`` float32, and is dequantized inside
+    the kernel's dot products.
     """
     _check_rows(q)
     t, num_heads, d = q.shape
@@ -256,6 +281,21 @@ def paged_attention(
     if sinks is not None:  # the kernel reads one float32 per query head
         sinks = sinks.detach().float().contiguous()
         assert sinks.shape == (num_heads,)
+    if kv_scales is not None:
+        ks, vs = kv_scales
+        assert ks.is_contiguous() and vs.is_contiguous() and ks.dtype == torch.float32
+        assert q.dtype in _DTYPE_SUFFIX
+        rc = kernel_library().paged_attention_kvq(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ks.data_ptr(),
+            vs.data_ptr(), kv_quant.kind_code(k_cache.dtype), block_tables.data_ptr(),
+            block_tables.stride(0), token_seq.data_ptr(), token_len.data_ptr(),
+            out.data_ptr(), t, num_heads, kvh, bs, d, scale, window or 0, softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(), int(q.dtype == torch.bfloat16))
+        if rc == -2:
+            raise ValueError(f"paged attention: unsupported cache dtype {k_cache.dtype}")
+        if rc != 0:
+            raise MemoryError("paged attention could not allocate its scratch space")
+        return out
     rc = _fn("paged_attention", q.dtype)(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), token_seq.data_ptr(),

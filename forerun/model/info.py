@@ -18,7 +18,13 @@ import torch
 from forerun.config import EngineConfig
 from forerun.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from forerun.core.kv_cache_manager import KVCacheManager
-from forerun.core.kv_cache_spec import KVCacheGroupSpec, kv_bytes_per_block, one_group
+from forerun.core.kv_cache_spec import (
+    KVCacheGroupSpec,
+    kv_bytes_per_block,
+    num_kv_slots,
+    one_group,
+)
+from forerun.model import kv_quant
 from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
@@ -103,10 +109,14 @@ def num_kv_blocks(config: EngineConfig, info: ModelInfo, dtype: torch.dtype,
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     mc, bs = info.model_config, config.block_size
-    elem = torch.tensor([], dtype=dtype).element_size()
+    cache_dtype = config.resolve_kv_cache_dtype(dtype)
+    elem = torch.tensor([], dtype=cache_dtype).element_size()
     groups = groups or one_group(mc.num_hidden_layers)
     # A block id is a page in every KV slot; several groups share one more, the null block.
-    per_block = kv_bytes_per_block(groups, bs, mc.num_key_value_heads, mc.head_dim, elem)
+    # A quantized cache adds a float32 scale per (block, head) for K and for V in each slot.
+    per_block = (kv_bytes_per_block(groups, bs, mc.num_key_value_heads, mc.head_dim, elem)
+                 + num_kv_slots(groups)
+                 * kv_quant.scale_bytes_per_block(mc.num_key_value_heads, cache_dtype))
     num_null = 1 if len(groups) > 1 else 0
     # A sliding group holds only its window's blocks of a long sequence.
     probe = (KVCacheManager(1, bs, False) if len(groups) == 1

@@ -79,7 +79,7 @@ class DecoderAttention(nn.Module):
             q = apply_rotary(q, rotary)
             k = apply_rotary(k, rotary)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              self.window, self.softcap, self.sinks)
+                              self.window, self.softcap, self.sinks, kv_cache[2:])
         return self.o_proj(out)
 
 

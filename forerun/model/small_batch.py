@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forerun import envs
-from forerun.model import cpu_kernels, huge_pages
+from forerun.model import cpu_kernels, huge_pages, kv_quant
 from forerun.model.attention import AttentionMetadata, KVCache
 from forerun.model.layers import GatedMLP
 from forerun.model.moe import FusedMoE
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_NUM_LAYER_PTRS = 15  # the enum at the top of decoder_stack.c
+_NUM_LAYER_PTRS = 17  # the enum at the top of decoder_stack.c
 _MAX_TABLES = 8
 
 
@@ -61,6 +61,7 @@ class _StackArgs(ctypes.Structure):
         ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
         ("moe_intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int64),
         ("layer_tables", ctypes.c_void_p),
+        ("kv_type", ctypes.c_int64),
     ]
 
 
@@ -308,6 +309,7 @@ class SmallBatchStack:
                     0, 0,
                     router, experts,
                     self.model.config.layer_window(i) or 0,
+                    0, 0,
                 ])
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
                 -1, _NUM_LAYER_PTRS)
@@ -334,10 +336,13 @@ class SmallBatchStack:
         table = self._tables.get(key)
         if table is None:
             table = self._weight_table().clone()
-            for i, (k, v) in enumerate(kv_caches):
-                assert k.is_contiguous() and v.is_contiguous()
-                table[i, 10] = k.data_ptr()
-                table[i, 11] = v.data_ptr()
+            for i, kv in enumerate(kv_caches):
+                assert all(t.is_contiguous() for t in kv)
+                table[i, 10] = kv[0].data_ptr()
+                table[i, 11] = kv[1].data_ptr()
+                if len(kv) == 4:  # a quantized cache's K and V scales
+                    table[i, 15] = kv[2].data_ptr()
+                    table[i, 16] = kv[3].data_ptr()
             if len(self._tables) >= _MAX_TABLES:
                 self._tables.pop(next(iter(self._tables)))
             self._tables[key] = table
@@ -356,6 +361,7 @@ class SmallBatchStack:
         slot_mapping = meta.slot_mapping.contiguous()
         a = self._args
         a.block_size = meta.block_size
+        a.kv_type = kv_quant.kind_code(kv_caches[0][0].dtype) if kv_caches else 0
         a.cos_half, a.sin_half = cos_half.data_ptr(), sin_half.data_ptr()
         a.slot_mapping, a.block_tables = slot_mapping.data_ptr(), block_tables.data_ptr()
         a.table_stride = block_tables.stride(0)

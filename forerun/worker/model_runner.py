@@ -61,6 +61,7 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         pipeline: PipelineComm | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         # Pipeline parallel: this runner is one stage (forerun/worker/pipeline.py).
@@ -70,7 +71,8 @@ class ModelRunner:
         self.dtype = dtype
         self.tracer = tracer or Tracer()
         self.kv_caches = allocate_kv_caches(kv_cache_groups, num_blocks, block_size,
-                                            num_kv_heads, head_dim, num_layers, dtype, device)
+                                            num_kv_heads, head_dim, num_layers, dtype, device,
+                                            kv_cache_dtype)
         # Several KV cache groups: each layer's group (its block table and slots).
         self.layer_groups = (None if kv_cache_groups is None or len(kv_cache_groups) == 1
                              else [gid for gid, _ in layer_kv_slots(kv_cache_groups)])
@@ -130,15 +132,19 @@ class ModelRunner:
 
 def allocate_kv_caches(groups: Sequence[KVCacheGroupSpec] | None, num_blocks: int,
                        block_size: int, num_kv_heads: int, head_dim: int, num_layers: int,
-                       dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-    """Each layer's (K, V) cache. One group (or None): a pair per layer of ``num_blocks``
-    pages. Several: ``num_kv_slots`` pairs of ``num_blocks + 1`` pages (the hybrid pool's
-    null block is page 0), and layer ``l`` gets its slot's pair (``layer_kv_slots``), which
-    the layers of the other groups share at other block ids."""
+                       dtype: torch.dtype, device: torch.device,
+                       cache_dtype: torch.dtype | None = None) -> list[KVCache]:
+    """Each layer's (K, V) cache (with its scales, for a quantized ``cache_dtype``). One
+    group (or None): a pair per layer of ``num_blocks`` pages. Several: ``num_kv_slots``
+    pairs of ``num_blocks + 1`` pages (the hybrid pool's null block is page 0), and layer
+    ``l`` gets its slot's pair (``layer_kv_slots``), which the layers of the other groups
+    share at other block ids."""
     if groups is None or len(groups) == 1:
-        return [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        return [new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                             cache_dtype)
                 for _ in range(num_layers)]
-    slots = [new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device)
+    slots = [new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device,
+                          cache_dtype)
              for _ in range(num_kv_slots(groups))]
     layers = layer_kv_slots(groups)
     if len(layers) != num_layers:

@@ -115,7 +115,8 @@ def _build_runner(config: EngineConfig, info: Any, num_blocks: int, rank: int, a
                        mc.head_dim,
                        stage.num_stage_layers if stage is not None else mc.num_hidden_layers,
                        dtype, device, config.max_num_seqs, tracer, vocab_size=mc.vocab_size,
-                       speculative_config=spec_config, pipeline=pipeline)
+                       speculative_config=spec_config, pipeline=pipeline,
+                       kv_cache_dtype=config.resolve_kv_cache_dtype(dtype))
     return runner, pp_group.control_group
 
 

@@ -30,6 +30,8 @@ enum {
     W_ROUTER,  /* a mixture-of-experts layer (W_GATE_UP and W_DOWN 0): its router, float32 */
     W_EXPERTS, /* int64 [2 * num_experts]: each expert's gate/up and down weights */
     WINDOW,    /* not an address: the layer's sliding window (0: full attention; Mistral) */
+    K_SCALE,   /* a quantized KV cache (kv_type > 0): float32 [num_blocks, kv_heads] scales */
+    V_SCALE,
     NUM_LAYER_PTRS
 };
 
@@ -45,6 +47,7 @@ typedef struct {
     /* NULL, or [layers, 2]: each layer's block table and slot mapping, in place of the two
      * above (a hybrid KV cache: one table per group, every table table_stride wide). */
     const int64_t *layer_tables;
+    int64_t kv_type; /* the KV cache's element kind: KV_NATIVE (0) or a 1-byte one */
 } stack_args_t;
 
 int rms_norm_f32(float *, float *, const float *, int64_t, int64_t, float);
@@ -76,6 +79,12 @@ int moe_block_q_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, in
                      int64_t, const float *, const int64_t *);
 int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *, void *, int64_t,
                    int64_t, int64_t, int64_t, int64_t);
+int kv_cache_write_kvq(const void *, const void *, int64_t, const int64_t *, void *, void *,
+                       float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+int paged_attention_kvq(const void *, int64_t, const void *, const void *, const float *,
+                        const float *, int64_t, const int64_t *, int64_t, const int64_t *,
+                        const int64_t *, void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float, int64_t, float, const float *, int64_t);
 
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
 
@@ -130,12 +139,24 @@ static int moe_block_none(const uint16_t *h, uint16_t *out, int64_t t, int64_t h
                 tables = (const int64_t *)(intptr_t)a->layer_tables[2 * l];                     \
                 slots = (const int64_t *)(intptr_t)a->layer_tables[2 * l + 1];                  \
             }                                                                                   \
-            kv_cache_write(qkv + qs, qkv + qs + kvs, row, slots, kc, vc, t, KVH,                \
-                           a->block_size, D, sizeof(T));                                        \
-            if (paged_attention_##SFX(qkv, row, kc, vc, tables, a->table_stride,                \
-                                      a->token_seq, a->token_len, attn, t, NH, KVH,             \
-                                      a->block_size, D, a->scale, lp[WINDOW], 0.f, NULL) != 0) \
-                rc = -1;                                                                        \
+            if (a->kv_type) { /* a quantized cache: its scales in the table */                  \
+                float *ksc = (float *)(intptr_t)lp[K_SCALE], *vsc = (float *)(intptr_t)lp[V_SCALE]; \
+                kv_cache_write_kvq(qkv + qs, qkv + qs + kvs, row, slots, kc, vc, ksc, vsc, t,    \
+                                   KVH, a->block_size, D, sizeof(T) == 2, a->kv_type);          \
+                if (paged_attention_kvq(qkv, row, kc, vc, ksc, vsc, a->kv_type, tables,          \
+                                        a->table_stride, a->token_seq, a->token_len, attn, t,   \
+                                        NH, KVH, a->block_size, D, a->scale, lp[WINDOW], 0.f,   \
+                                        NULL, sizeof(T) == 2) != 0)                             \
+                    rc = -1;                                                                    \
+            } else {                                                                            \
+                kv_cache_write(qkv + qs, qkv + qs + kvs, row, slots, kc, vc, t, KVH,            \
+                               a->block_size, D, sizeof(T));                                    \
+                if (paged_attention_##SFX(qkv, row, kc, vc, tables, a->table_stride,            \
+                                          a->token_seq, a->token_len, attn, t, NH, KVH,         \
+                                          a->block_size, D, a->scale, lp[WINDOW], 0.f,          \
+                                          NULL) != 0)                                           \
+                    rc = -1;                                                                    \
+            }                                                                                   \
             if (MM(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs) != 0) rc = -1;                    \
             rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \
             if (lp[W_ROUTER]) {                                                                 \

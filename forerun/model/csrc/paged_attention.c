@@ -20,6 +20,12 @@
  * K is [num_blocks, kv_heads, head_dim, block_size], each block's keys stored dimension-major,
  * so the scores of a whole block are vertical multiply-adds over the head dimension (one
  * vector lane per key) instead of one horizontal reduction per key and query head.
+ * A quantized cache (kv_cache_dtype int8 / fp8_e4m3 / fp8_e5m2, docs/kv_cache.md "Quantized
+ * KV") has the same layout in 1-byte elements and one float32 scale per (block, kv head) for
+ * K and one for V: the walk widens each block's bytes to float32 inside the dot products and
+ * applies the block's scale to its 16 scores (K) or to the probabilities (V), so no dequantized
+ * copy of the context is ever made. The model-dtype cache (kv = KV_NATIVE) compiles to the
+ * same code as before quantized caches existed: the kind is a compile-time constant.
  * Built by forerun/model/cpu_kernels.py with the system C compiler; loaded through ctypes.
  */
 #include <float.h>
@@ -31,6 +37,67 @@
 #include "bf16.h"
 
 #define INLINE static inline __attribute__((always_inline))
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* What a KV cache element is: the query's dtype (float32 / bfloat16), or one byte. */
+enum { KV_NATIVE = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3 };
+
+/* The largest finite magnitude of each 1-byte kind: a block's scale maps its |max| there. */
+static const float kv_qmax[4] = {0.f, 127.f, 448.f, 57344.f};
+
+/* Every fp8 code's value (e4m3fn: bias 7, no infinities, 0x7f/0xff NaN, never stored here;
+ * e5m2: bias 15), filled when the library loads. */
+static float fp8_lut[2][256];
+
+__attribute__((constructor)) static void init_fp8_lut(void) {
+    for (int b = 0; b < 256; ++b) {
+        const float sign = b & 0x80 ? -1.f : 1.f;
+        const int e4 = (b >> 3) & 15, m4 = b & 7, e5 = (b >> 2) & 31, m5 = b & 3;
+        fp8_lut[0][b] = sign * (e4 ? ldexpf((float)(8 + m4), e4 - 10) : ldexpf((float)m4, -9));
+        fp8_lut[1][b] = sign * (e5 ? ldexpf((float)(4 + m5), e5 - 17) : ldexpf((float)m5, -16));
+    }
+}
+
+INLINE float kv_elem(const void *p, int kv, int is_bf16, int64_t i) {
+    switch (kv) {
+    case KV_INT8: return (float)((const int8_t *)p)[i];
+    case KV_FP8_E4M3: return fp8_lut[0][((const uint8_t *)p)[i]];
+    case KV_FP8_E5M2: return fp8_lut[1][((const uint8_t *)p)[i]];
+    default: return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    }
+}
+
+/* The fp8 code nearest to |x| (ties to the even code, which is round-to-nearest-even, as
+ * torch converts), saturating at the largest finite value: a binary search of the sorted
+ * positive codes. */
+INLINE uint8_t fp8_encode(float x, int kv) {
+    const float *lut = fp8_lut[kv == KV_FP8_E4M3 ? 0 : 1];
+    const int top = kv == KV_FP8_E4M3 ? 0x7e : 0x7b;
+    const uint8_t sign = x < 0.f ? 0x80 : 0;
+    const float a = fabsf(x);
+    if (!(a < lut[top])) return sign | (uint8_t)top;
+    int lo = 0, hi = top; /* lut[lo] <= a < lut[hi] */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (lut[mid] <= a) lo = mid;
+        else hi = mid;
+    }
+    const float dlo = a - lut[lo], dhi = lut[hi] - a;
+    const int code = dlo < dhi ? lo : dhi < dlo ? hi : (lo & 1 ? hi : lo);
+    return sign | (uint8_t)code;
+}
+
+/* x (already divided by its scale) as a 1-byte element of kind kv. */
+INLINE uint8_t kv_quantize(float x, int kv) {
+    if (kv == KV_INT8) {
+        float r = nearbyintf(x);
+        r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+        return (uint8_t)(int8_t)r;
+    }
+    return fp8_encode(x, kv);
+}
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2 /* how far ahead the context walk asks for the next blocks */
 
@@ -39,8 +106,20 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* 16 consecutive values as float32 lanes. */
-INLINE __m512 load16(const char *p, int is_bf16) {
+/* 16 consecutive cache values as float32 lanes (1-byte kinds unscaled). An fp8 byte moved
+ * into a half's exponent and mantissa bits is a half (subnormals included) of the same value
+ * times 2^(15 - bias): exact, one conversion instruction for 16 values. */
+INLINE __m512 load16(const char *p, int is_bf16, int kv) {
+    if (kv == KV_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    if (kv == KV_FP8_E4M3 || kv == KV_FP8_E5M2) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        if (kv == KV_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+        const __m256i h = _mm256_or_si256(
+            _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+            _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    }
     if (is_bf16) return bf16x16_load((const uint16_t *)p);
     return _mm512_loadu_ps((const float *)p);
 }
@@ -48,14 +127,14 @@ INLINE __m512 load16(const char *p, int is_bf16) {
 /* Scores of one 16-key block for G query rows: out[g * 16 + i] = q_g . key_i, the keys
  * stored dimension-major (kb[d * 16 + i]); up to four query rows share each key load. */
 INLINE void score_block16(const char *kb, const float *qf, int64_t G, int64_t D, int is_bf16,
-                          float *out) {
-    const size_t esz = is_bf16 ? 2 : 4;
+                          int kv, float *out) {
+    const size_t esz = kv ? 1 : is_bf16 ? 2 : 4;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t gn = G - g0 < 4 ? G - g0 : 4;
         const float *q0 = qf + g0 * D;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t d = 0; d < D; ++d) {
-            const __m512 k = load16(kb + (size_t)d * 16 * esz, is_bf16);
+            const __m512 k = load16(kb + (size_t)d * 16 * esz, is_bf16, kv);
             a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k, a0);
             if (gn > 1) a1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), k, a1);
             if (gn > 2) a2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), k, a2);
@@ -69,10 +148,11 @@ INLINE void score_block16(const char *kb, const float *qf, int64_t G, int64_t D,
 }
 /* Weighted sum of the context's values for up to four query rows (head_dim 64), the
  * sixteen float32 accumulators kept in registers for the whole walk over the blocks. */
-INLINE void accumulate_values64(const char *v_cache, const int64_t *table, int64_t L,
-                                int64_t KVH, int64_t h, int64_t BS, const float *probs,
-                                int64_t G, int is_bf16, float *acc) {
-    const size_t esz = is_bf16 ? 2 : 4;
+INLINE void accumulate_values64(const char *v_cache, const float *v_scale,
+                                const int64_t *table, int64_t L, int64_t KVH, int64_t h,
+                                int64_t BS, const float *probs, int64_t G, int is_bf16, int kv,
+                                float *acc) {
+    const size_t esz = kv ? 1 : is_bf16 ? 2 : 4;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t gn = G - g0 < 4 ? G - g0 : 4;
         const float *p0 = probs + g0 * L;
@@ -82,13 +162,17 @@ INLINE void accumulate_values64(const char *v_cache, const int64_t *table, int64
         for (int64_t t0 = 0; t0 < L; t0 += BS) {
             const char *blk = v_cache + (size_t)(table[t0 / BS] * KVH + h) * BS * 64 * esz;
             const int64_t n = L - t0 < BS ? L - t0 : BS;
+            /* a quantized block's V scale rides on the probabilities */
+            const float vs = kv ? v_scale[table[t0 / BS] * KVH + h] : 1.f;
             for (int64_t i = 0; i < n; ++i) {
                 const char *vr = blk + (size_t)i * 64 * esz;
                 __m512 v[4];
-                for (int c = 0; c < 4; ++c) v[c] = load16(vr + (size_t)c * 16 * esz, is_bf16);
+                for (int c = 0; c < 4; ++c)
+                    v[c] = load16(vr + (size_t)c * 16 * esz, is_bf16, kv);
                 for (int r = 0; r < 4; ++r) {
                     if (r >= gn) break;
-                    const __m512 pr = _mm512_set1_ps(p0[r * L + t0 + i]);
+                    const float pv = p0[r * L + t0 + i];
+                    const __m512 pr = _mm512_set1_ps(kv ? pv * vs : pv);
                     for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
                 }
             }
@@ -110,6 +194,35 @@ INLINE void load_row(const void *src, int is_bf16, int64_t i, int64_t D, float *
     }
 }
 
+/* n cache values from element i * n on, widened to float32 (1-byte kinds unscaled). */
+INLINE void load_kv_row(const void *src, int is_bf16, int kv, int64_t i, int64_t n, float *dst) {
+    if (kv == KV_NATIVE) {
+        load_row(src, is_bf16, i, n, dst);
+        return;
+    }
+    const uint8_t *s = (const uint8_t *)src + i * n;
+    int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    /* fp8 8 at a time through halves (as load16 does), not one table lookup a value: the
+     * lookups made an fp8 cache no faster than float32 on an AVX2 CPU */
+    if (kv == KV_FP8_E4M3 || kv == KV_FP8_E5M2) {
+        for (; d + 8 <= n; d += 8) {
+            const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(s + d)));
+            if (kv == KV_FP8_E5M2) {
+                _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
+            } else {
+                const __m128i h = _mm_or_si128(
+                    _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                    _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+                _mm256_storeu_ps(dst + d,
+                                 _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f)));
+            }
+        }
+    }
+#endif
+    for (; d < n; ++d) dst[d] = kv_elem(s, kv, 0, d);
+}
+
 INLINE void store_row(void *dst, int is_bf16, int64_t i, int64_t D, const float *src) {
     if (!is_bf16) {
         memcpy((float *)dst + i * D, src, sizeof(float) * D);
@@ -121,11 +234,13 @@ INLINE void store_row(void *dst, int is_bf16, int64_t i, int64_t D, const float 
 
 /* One (token, kv head) pair: G query rows against the L context tokens. */
 INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                   const int64_t *table, void *out, int64_t b, int64_t h, int64_t L, int64_t H,
-                   int64_t KVH, int64_t BS, int64_t D, int64_t G, float scale, int64_t window,
-                   float softcap, const float *sinks, int is_bf16, float *qf, float *acc,
-                   float *row, float *scores, float *blockscores) {
-    const size_t esz = is_bf16 ? 2 : 4;
+                   const float *k_scale, const float *v_scale, const int64_t *table, void *out,
+                   int64_t b, int64_t h, int64_t L, int64_t H, int64_t KVH, int64_t BS,
+                   int64_t D, int64_t G, float scale, int64_t window, float softcap,
+                   const float *sinks, int is_bf16, int kv, float *qf, float *acc, float *row,
+                   float *scores, float *blockscores) {
+    /* esz: the query's and output's element size; cesz: the cache's */
+    const size_t esz = is_bf16 ? 2 : 4, cesz = kv ? 1 : esz;
     /* The walk below covers positions [base, base + L) of the sequence, relative to base:
      * the window's first block onwards; the first `skip` of them are before the window. */
     const int64_t first = window > 0 && L > window ? L - window : 0, base = first / BS * BS;
@@ -138,27 +253,33 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
     }
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const char *kb = (const char *)k_cache + (table[t0 / BS] * KVH + h) * BS * D * esz;
+        const char *kb = (const char *)k_cache + (table[t0 / BS] * KVH + h) * BS * D * cesz;
         if (t0 + PREFETCH_BLOCKS * BS < L) { /* a block further on: its keys and values */
-            const size_t ahead = (size_t)(table[t0 / BS + PREFETCH_BLOCKS] * KVH + h) * BS * D * esz;
-            for (int64_t c = 0; c < BS * D * (int64_t)esz; c += 64) {
+            const size_t ahead = (size_t)(table[t0 / BS + PREFETCH_BLOCKS] * KVH + h) * BS * D * cesz;
+            for (int64_t c = 0; c < BS * D * (int64_t)cesz; c += 64) {
                 __builtin_prefetch((const char *)k_cache + ahead + c);
                 __builtin_prefetch((const char *)v_cache + ahead + c);
             }
         }
         const int64_t n = L - t0 < BS ? L - t0 : BS;
+        /* a quantized block's K scale: applied to its scores once, not to every key */
+        const float ks = kv ? k_scale[table[t0 / BS] * KVH + h] : 1.f;
 #if defined(__AVX512F__)
         if (BS == 16) {
-            score_block16(kb, qf, G, D, is_bf16, blockscores);
-            for (int64_t g = 0; g < G; ++g)
-                memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
+            score_block16(kb, qf, G, D, is_bf16, kv, blockscores);
+            for (int64_t g = 0; g < G; ++g) {
+                if (kv)
+                    for (int64_t i = 0; i < n; ++i) scores[g * L + t0 + i] = blockscores[g * BS + i] * ks;
+                else
+                    memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
+            }
             continue;
         }
 #endif
         for (int64_t g = 0; g < G; ++g)
             for (int64_t i = 0; i < BS; ++i) blockscores[g * BS + i] = 0.f;
         for (int64_t d = 0; d < D; ++d) {
-            load_row(kb, is_bf16, d, BS, row); /* key dimension d of the block's BS keys */
+            load_kv_row(kb, is_bf16, kv, d, BS, row); /* key dimension d of the block's BS keys */
             for (int64_t g = 0; g < G; ++g) {
                 const float qd = qf[g * D + d];
                 float *bs = blockscores + g * BS;
@@ -166,8 +287,12 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
                 for (int64_t i = 0; i < BS; ++i) bs[i] += qd * row[i];
             }
         }
-        for (int64_t g = 0; g < G; ++g)
-            memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
+        for (int64_t g = 0; g < G; ++g) {
+            if (kv)
+                for (int64_t i = 0; i < n; ++i) scores[g * L + t0 + i] = blockscores[g * BS + i] * ks;
+            else
+                memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
+        }
     }
     for (int64_t g = 0; g < G; ++g) {
         float *sg = scores + g * L, m = sinks ? sinks[h * G + g] : -FLT_MAX, sum = 0.f;
@@ -188,7 +313,8 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
     }
 #if defined(__AVX512F__)
     if (D == 64) {
-        accumulate_values64((const char *)v_cache, table, L, KVH, h, BS, scores, G, is_bf16, acc);
+        accumulate_values64((const char *)v_cache, v_scale, table, L, KVH, h, BS, scores, G,
+                            is_bf16, kv, acc);
         for (int64_t g = 0; g < G; ++g)
             store_row(out, is_bf16, b * H + h * G + g, D, acc + g * D);
         return;
@@ -196,12 +322,13 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
 #endif
     memset(acc, 0, sizeof(float) * G * D);
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const char *blk = (const char *)v_cache + (table[t0 / BS] * KVH + h) * BS * D * esz;
+        const char *blk = (const char *)v_cache + (table[t0 / BS] * KVH + h) * BS * D * cesz;
         const int64_t n = L - t0 < BS ? L - t0 : BS;
+        const float vs = kv ? v_scale[table[t0 / BS] * KVH + h] : 1.f;
         for (int64_t i = 0; i < n; ++i) {
-            load_row(blk, is_bf16, i, D, row);
+            load_kv_row(blk, is_bf16, kv, i, D, row);
             for (int64_t g = 0; g < G; ++g) {
-                const float p = scores[g * L + t0 + i];
+                const float p = kv ? scores[g * L + t0 + i] * vs : scores[g * L + t0 + i];
                 float *ag = acc + g * D;
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
@@ -212,11 +339,20 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
 }
 
 /* Constant head_dim and dtype let the compiler unroll the row loops completely. */
-#define ATTEND_CASE(BLOCK, DIM, BF16)                                                         \
-    attend(q, q_stride, k_cache, v_cache, table, out, b, h, L, num_heads, num_kv_heads,      \
-           BLOCK, DIM, G, scale, window, softcap, sinks, BF16, qf, acc, row, scores, blockscores)
+#define ATTEND_KV(BLOCK, DIM, BF16, KV)                                                      \
+    attend(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, out, b, h, L, num_heads,  \
+           num_kv_heads, BLOCK, DIM, G, scale, window, softcap, sinks, BF16, KV, qf, acc,    \
+           row, scores, blockscores)
+#define ATTEND_CASE(BLOCK, DIM, BF16) ATTEND_KV(BLOCK, DIM, BF16, KV_NATIVE)
+/* A 1-byte kind: its common shape (block 16, head_dim 64) specialised, the rest generic. */
+#define ATTEND_QUANT(KV)                                                                     \
+    if (block_size == 16 && D == 64 && is_bf16) ATTEND_KV(16, 64, 1, KV);                    \
+    else if (block_size == 16 && D == 64) ATTEND_KV(16, 64, 0, KV);                          \
+    else if (is_bf16) ATTEND_KV(block_size, D, 1, KV);                                       \
+    else ATTEND_KV(block_size, D, 0, KV)
 
 static int run(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+               const float *k_scale, const float *v_scale, int kv,
                const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
                const int64_t *token_len, void *out, int64_t num_tokens, int64_t num_heads,
                int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
@@ -240,7 +376,10 @@ static int run(const void *q, int64_t q_stride, const void *k_cache, const void 
             for (int64_t w = 0; w < num_tokens * num_kv_heads; ++w) {
                 const int64_t b = w / num_kv_heads, h = w % num_kv_heads, L = token_len[b];
                 const int64_t *table = block_tables + token_seq[b] * table_stride;
-                if (block_size == 16 && D == 64 && is_bf16) ATTEND_CASE(16, 64, 1);
+                if (kv == KV_INT8) { ATTEND_QUANT(KV_INT8); }
+                else if (kv == KV_FP8_E4M3) { ATTEND_QUANT(KV_FP8_E4M3); }
+                else if (kv == KV_FP8_E5M2) { ATTEND_QUANT(KV_FP8_E5M2); }
+                else if (block_size == 16 && D == 64 && is_bf16) ATTEND_CASE(16, 64, 1);
                 else if (block_size == 16 && D == 64) ATTEND_CASE(16, 64, 0);
                 else if (block_size == 16 && D == 128 && is_bf16) ATTEND_CASE(16, 128, 1);
                 else if (block_size == 16 && D == 128) ATTEND_CASE(16, 128, 0);
@@ -263,9 +402,9 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                         int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t block_size, int64_t head_dim, float scale, int64_t window,
                         float softcap, const float *sinks) {
-    return run(q, q_stride, k_cache, v_cache, block_tables, table_stride, token_seq, token_len,
-               out, num_tokens, num_heads, num_kv_heads, block_size, head_dim, scale, window,
-               softcap, sinks, 0);
+    return run(q, q_stride, k_cache, v_cache, NULL, NULL, KV_NATIVE, block_tables, table_stride,
+               token_seq, token_len, out, num_tokens, num_heads, num_kv_heads, block_size,
+               head_dim, scale, window, softcap, sinks, 0);
 }
 
 int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
@@ -275,9 +414,25 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                          int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                          int64_t head_dim, float scale, int64_t window, float softcap,
                          const float *sinks) {
-    return run(q, q_stride, k_cache, v_cache, block_tables, table_stride, token_seq, token_len,
-               out, num_tokens, num_heads, num_kv_heads, block_size, head_dim, scale, window,
-               softcap, sinks, 1);
+    return run(q, q_stride, k_cache, v_cache, NULL, NULL, KV_NATIVE, block_tables, table_stride,
+               token_seq, token_len, out, num_tokens, num_heads, num_kv_heads, block_size,
+               head_dim, scale, window, softcap, sinks, 1);
+}
+
+/* The same over a quantized cache (kv: KV_INT8, KV_FP8_E4M3 or KV_FP8_E5M2): 1-byte K and V
+ * in the layout above, k_scale / v_scale float32 [num_blocks, kv_heads]. q and out are
+ * float32 (is_bf16 0) or bfloat16 (1). */
+int paged_attention_kvq(const void *q, int64_t q_stride, const void *k_cache,
+                        const void *v_cache, const float *k_scale, const float *v_scale,
+                        int64_t kv, const int64_t *block_tables, int64_t table_stride,
+                        const int64_t *token_seq, const int64_t *token_len, void *out,
+                        int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t block_size, int64_t head_dim, float scale, int64_t window,
+                        float softcap, const float *sinks, int64_t is_bf16) {
+    if (kv < KV_INT8 || kv > KV_FP8_E5M2) return -2;
+    return run(q, q_stride, k_cache, v_cache, k_scale, v_scale, (int)kv, block_tables,
+               table_stride, token_seq, token_len, out, num_tokens, num_heads, num_kv_heads,
+               block_size, head_dim, scale, window, softcap, sinks, is_bf16 ? 1 : 0);
 }
 
 /* Store the step's new K and V rows (token t's heads contiguous, tokens src_stride
@@ -308,6 +463,77 @@ int kv_cache_write(const void *k_src, const void *v_src, int64_t src_stride,
                 float *kc = (float *)k_cache + kd;
                 for (int64_t d = 0; d < head_dim; ++d) kc[d * block_size] = ks[d];
             }
+        }
+    }
+    return 0;
+}
+
+/* Store the step's new K and V rows in a quantized cache (kv: KV_INT8, KV_FP8_E4M3 or
+ * KV_FP8_E5M2; rows as kv_cache_write takes them, float32 or bfloat16 by src_is_bf16), one
+ * scale per (block, kv head) in k_scale / v_scale [num_blocks, kv_heads].
+ *
+ * A block fills over many steps, so its scale is chosen as it goes (docs/kv_cache.md): the
+ * step's tokens that land in one block (adjacent in the batch: one sequence's) are a run; a
+ * run that starts the block (offset 0) sets the scale to the run's |max| / qmax, a later run
+ * keeps it unless one of its values is larger, and then the block's stored values are first
+ * re-quantized to the grown scale (a rare event after a block's first few tokens). fp8
+ * scales are powers of two (a float format's relative precision does not depend on where
+ * its top lands), so that re-quantization only shifts exponents: exact. One
+ * thread per (kv head, K or V): each owns its scales, and takes its runs in batch order. */
+int kv_cache_write_kvq(const void *k_src, const void *v_src, int64_t src_stride,
+                       const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                       float *k_scale, float *v_scale, int64_t num_tokens, int64_t num_kv_heads,
+                       int64_t block_size, int64_t head_dim, int64_t src_is_bf16, int64_t kv) {
+    if (kv < KV_INT8 || kv > KV_FP8_E5M2) return -2;
+    const int kind = (int)kv, bf16 = src_is_bf16 ? 1 : 0;
+    const float qmax = kv_qmax[kind];
+    const int64_t KVH = num_kv_heads, BS = block_size, D = head_dim;
+    const size_t esz = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (num_tokens > 64)
+    for (int64_t task = 0; task < 2 * KVH; ++task) {
+        const int is_v = (int)(task / KVH);
+        const int64_t h = task % KVH;
+        const char *src = is_v ? v_src : k_src;
+        uint8_t *cache = is_v ? v_cache : k_cache;
+        float *scales = is_v ? v_scale : k_scale;
+        for (int64_t t = 0; t < num_tokens;) {
+            const int64_t blk = slot_mapping[t] / BS;
+            int64_t u = t, first = BS;
+            float amax = 0.f;
+            for (; u < num_tokens && slot_mapping[u] / BS == blk; ++u) {
+                const char *row = src + ((size_t)u * src_stride + (size_t)h * D) * esz;
+                for (int64_t d = 0; d < D; ++d) {
+                    const float a = fabsf(kv_elem(row, KV_NATIVE, bf16, d));
+                    amax = a > amax ? a : amax;
+                }
+                const int64_t off = slot_mapping[u] % BS;
+                first = off < first ? off : first;
+            }
+            uint8_t *run = cache + (size_t)(blk * KVH + h) * BS * D; /* the (block, head) */
+            const float old = first == 0 ? 0.f : scales[blk * KVH + h];
+            float need = amax / qmax;
+            if (kind != KV_INT8 && need > 0.f) { /* fp8: the power of two at or above it */
+                int e;
+                if (frexpf(need, &e) != 0.5f) need = ldexpf(1.f, e);
+            }
+            const float s = need > old ? need : old;
+            if (old > 0.f && s > old) { /* grown: the stored values to the new scale */
+                const float r = old / s;
+                for (int64_t i = 0; i < BS * D; ++i)
+                    run[i] = kv_quantize(kv_elem(run, kind, 0, i) * r, kind);
+            }
+            scales[blk * KVH + h] = s;
+            const float inv = s > 0.f ? 1.f / s : 0.f;
+            for (int64_t w = t; w < u; ++w) {
+                const char *row = src + ((size_t)w * src_stride + (size_t)h * D) * esz;
+                const int64_t off = slot_mapping[w] % BS;
+                for (int64_t d = 0; d < D; ++d) {
+                    const uint8_t q = kv_quantize(kv_elem(row, KV_NATIVE, bf16, d) * inv, kind);
+                    /* V rows whole; K dimension-major inside the block */
+                    run[is_v ? off * D + d : d * BS + off] = q;
+                }
+            }
+            t = u;
         }
     }
     return 0;
