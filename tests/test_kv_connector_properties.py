@@ -91,6 +91,10 @@ def _evicting_workload(h: Harness, prompt: list[int]) -> None:
         r = h.scheduler.requests.get("b")
         if r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             seen_waiting.append(so)
+            # Its own waiting reason (vLLM's WAITING_FOR_REMOTE_KVS), not capacity.
+            stats = h.scheduler.make_stats()
+            assert stats.num_waiting_reqs_for_remote_kvs == 1
+            assert stats.num_waiting_reqs_deferred == 0
 
     h.on_schedule.append(note)
     h.add(make_request("b", prompt, 3, bs))

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from forerun import LLM, SamplingParams
+from forerun.core.block_hash import hash_block_tokens
 from forerun.kv_connector.config import KVTransferConfig
 from forerun.kv_connector.disk_tier import DiskTier
 from forerun.kv_connector.offload_store import OffloadStore
@@ -92,7 +93,7 @@ def test_corrupt_or_truncated_files_are_ignored_and_recomputed(
     assert disk is not None
     llm.shutdown()
     # The first block of two conversations: one byte flipped, one file cut short.
-    first = [disk.path_of(h) for h in _first_block_hashes(tiny)]
+    first = [disk.path_of(h) for h in _first_block_hashes()]
     flipped, cut = first[0], first[1]
     raw = bytearray(flipped.read_bytes())
     raw[-7] ^= 0x5A
@@ -107,8 +108,7 @@ def test_corrupt_or_truncated_files_are_ignored_and_recomputed(
     llm2.shutdown()
 
 
-def _first_block_hashes(model: str) -> list[bytes]:
-    from forerun.core.block_hash import hash_block_tokens
+def _first_block_hashes() -> list[bytes]:
     return [hash_block_tokens(None, p[:BS]) for p in PREFIXES]
 
 

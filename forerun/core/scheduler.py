@@ -353,15 +353,15 @@ class Scheduler:
             publish=not load_async)
         if new_blocks is None:
             return None
+        # The connector reads the device hit from num_computed_tokens (vLLM's convention).
         request.num_computed_tokens = num_hit
         if num_external:
             self.connector.update_state_after_alloc(
                 request, (self.kv_cache_manager.get_block_ids(request.request_id),),
                 num_external)
-        request.num_computed_tokens = computed
         if not load_async:
+            request.num_computed_tokens = computed
             return False
-        request.num_computed_tokens = num_hit
         self.kv_cache_manager.cache_blocks(request, num_hit)  # the hit's own frontier
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self._load_target[request.request_id] = computed

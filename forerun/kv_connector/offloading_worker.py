@@ -11,6 +11,7 @@ import torch
 
 from forerun.kv_connector.offload_store import OffloadStore
 from forerun.kv_connector.offloading_scheduler import BlockTransfer, OffloadingConnectorMetadata
+from forerun.worker.cpu_threads import CallerThreadsGuard
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,10 @@ class OffloadingConnectorWorker:
     def __init__(self, store: OffloadStore) -> None:
         self.store = store
         self.kv_caches: KVCaches = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forerun-kv-offload")
+        # Its copies run inline on one thread: a second OpenMP team would slow every
+        # parallel region of the model's (forerun/worker/cpu_threads.py).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forerun-kv-offload",
+                                        initializer=CallerThreadsGuard)
         self._lock = threading.Lock()
         self._any_done = threading.Event()
         self._sent: set[str] = set()
