@@ -108,6 +108,15 @@ class EngineConfig:
         1, "split each engine's layers into this many stages, one process group of "
            "tensor_parallel_size ranks each (torch.distributed); the batch queue is this deep "
            "(+ 1 with async)", short="-pp")
+    kv_transfer_config: dict[str, Any] | None = _opt(
+        None, 'JSON in vLLM\'s KVTransferConfig shape, e.g. \'{"kv_connector": '
+              '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+              '{"disk_bytes": 8589934592}}\' (see docs/kv_connector.md)', parse=_json_dict)
+    kv_offloading_size: float | None = _opt(
+        None, "GiB of host RAM for offloaded KV blocks (turns on the OffloadingConnector)")
+    kv_offload_dir: str | None = _opt(
+        None, "a folder for the offloaded KV blocks' disk tier (turns on the "
+              "OffloadingConnector; blocks survive restarts, keyed by model and dtype)")
     nnodes: int = _opt(
         1, "machines the engine's ranks spread over: node 0 runs the engine and its share of "
            "the ranks; every other node runs only ranks")
@@ -160,12 +169,37 @@ class EngineConfig:
                              f"got {self.data_parallel_rank!r}")
         from forerun.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.from_dict(self.speculative_config)  # validates
+        self._check_kv_transfer()
         self._check_pooling()
         if self.simulated_device is not None:
             from forerun.worker.simulated import parse_simulated_device
             parse_simulated_device(self.simulated_device)
             if self.speculative_config:
                 raise ValueError("simulated_device: speculative decoding needs the real model")
+
+    def resolve_kv_transfer(self) -> Any:
+        """The KVTransferConfig in use, or None: ``kv_transfer_config``, or the offloading
+        connector that ``kv_offloading_size`` / ``kv_offload_dir`` imply."""
+        from forerun.kv_connector.config import KVTransferConfig
+        config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        if config is None and (self.kv_offloading_size or self.kv_offload_dir):
+            config = KVTransferConfig("OffloadingConnector")
+        return config
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got "
+                             f"{self.kv_offloading_size}")
+        if self.resolve_kv_transfer() is None:
+            return
+        for what, bad in (("tensor/pipeline parallel", self.world_size > 1),
+                          ("simulated_device", self.simulated_device is not None),
+                          ("defer_block_free=False with steps in flight",
+                           self.defer_block_free is False
+                           and self.resolve_async()[1] > 1)):
+            if bad:
+                raise ValueError(f"kv_transfer_config: a KV connector does not support "
+                                 f"{what} yet")
 
     def _check_pooling(self) -> None:
         from forerun.pooling_params import PoolerConfig

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
 
@@ -61,6 +62,8 @@ class FakeExecutor:
     # Rejected drafts per step sampled here whose output the scheduler has not applied: the
     # scheduler's num_computed_tokens is ahead of this worker's by exactly these.
     unapplied_rejections: dict[int, dict[str, int]] = field(default_factory=dict)
+    # A KV connector's worker half (tests/fake_kv_connector.py), if the scheduler has one.
+    kv_connector: Any = None
     _pending: list[SchedulerOutput] = field(default_factory=list)
 
     def mark_applied(self, step_id: int) -> None:
@@ -87,6 +90,8 @@ class FakeExecutor:
                     f"and {ahead} rejected drafts not yet applied")
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id].num_computed = new.num_computed_tokens
+        if self.kv_connector is not None and so.kv_connector_metadata is not None:
+            self.kv_connector.start(so.kv_connector_metadata)
         self._pending.append(so)
         self.executed.append(so)
         f: Future[None] = Future()
@@ -132,6 +137,8 @@ class FakeExecutor:
             sampled.append(ids)
         if rejections:
             self.unapplied_rejections[so.step_id] = rejections
+        if self.kv_connector is not None:
+            out.kv_connector_output = self.kv_connector.finish_step()
         out.req_ids, out.sampled_token_ids = req_ids, sampled
         out.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
         f: Future[ModelRunnerOutput] = Future()

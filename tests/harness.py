@@ -22,9 +22,12 @@ from forerun.core.kv_cache_spec import KVCacheGroupSpec
 from forerun.core.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.engine.core import EngineCore
+from forerun.kv_connector.base import KVConnectorRole
+from forerun.kv_connector.offloading_connector import OffloadingConnector
 from forerun.request import Request, RequestStatus
 from forerun.sampling_params import SamplingParams
 from tests.fake_executor import EOS, FakeExecutor, token_for
+from tests.fake_kv_connector import FakeConnectorWorker, FakeStore
 
 
 def make_request(
@@ -93,6 +96,10 @@ class Harness:
     pipeline_parallel_size: int = 1
     # Two or more: a HybridKVCacheManager with these groups (num_blocks usable blocks).
     kv_cache_groups: list[KVCacheGroupSpec] | None = None
+    # An offloading connector (its real scheduler half, the fake worker half): the seed of
+    # the transfers' scripted delays, and which stored blocks a load finds gone.
+    connector_seed: int | None = None
+    lose_block: Callable[[bytes], bool] | None = None
 
     def __post_init__(self) -> None:
         defer = self.defer_block_free
@@ -113,11 +120,22 @@ class Harness:
         else:
             kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
-        self.scheduler: Scheduler = cls(config, kv)
+        self.store: FakeStore | None = None
+        connector = None
+        if self.connector_seed is not None:
+            self.store = FakeStore()
+            connector = OffloadingConnector(KVConnectorRole.SCHEDULER, self.store,  # type: ignore[arg-type]
+                                            self.block_size)
+        self.scheduler: Scheduler = cls(config, kv, None, connector)
         self.kv = kv
         self.executor = FakeExecutor(
             eos_at=self.eos_at, num_speculative_tokens=self.num_speculative_tokens,
             drafts_found=self.drafts_found, accept=self.accept)
+        self.fake_connector: FakeConnectorWorker | None = None
+        if self.store is not None:
+            self.fake_connector = FakeConnectorWorker(self.store, self.connector_seed or 0,
+                                                      self.lose_block)
+            self.executor.kv_connector = self.fake_connector
         self.engine = EngineCore(self.scheduler, self.executor,
                                  max_concurrent_batches=self.depth)
         self.in_flight: deque[StepRecord] = deque()
@@ -157,6 +175,7 @@ class Harness:
             self.scheduled_tokens[rid] += n
         record = StepRecord(so, sampling, self.scheduler.sched_step_seq)
         if self.check:  # only the invariants read it (and benchmarks run unchecked)
+            self._check_loads_fenced(so)
             self._record_touched(so, record)
         self.in_flight.append(record)
         self._after_event()
@@ -173,6 +192,20 @@ class Harness:
         for hook in self.on_update:
             hook(so)
         return outputs
+
+    def _check_loads_fenced(self, so: SchedulerOutput) -> None:
+        """A load may write only blocks that no step in flight reads or writes, and only
+        blocks its request holds alone."""
+        meta = so.kv_connector_metadata
+        for t in meta.loads if meta is not None else ():
+            held = {b.block_id for b in self.kv.get_blocks(t.req_id)}
+            for bid in t.block_ids:
+                assert bid in held, ("a load into a block its request does not hold", t)
+                assert self.kv.block_pool.blocks[bid].ref_cnt == 1, ("a shared block loaded", t)
+                for rec in self.in_flight:
+                    for rid, touched in rec.touched.items():
+                        assert bid not in touched, (
+                            "a load into a block a step in flight touches", t, rid, rec.seq)
 
     def _record_touched(self, so: SchedulerOutput, record: StepRecord) -> None:
         """Follow the worker's tables and note which blocks each request's step uses."""
@@ -242,6 +275,8 @@ class Harness:
     def assert_all_released(self) -> None:
         s, kv = self.scheduler, self.kv
         assert not s.requests and not s.running and not s.waiting
+        assert not s._delayed_free and not s._load_target
+        assert self.fake_connector is None or not self.fake_connector.pending
         assert not self.in_flight and not self.engine.batch_queue
         assert not kv.deferred_frees
         assert not kv.req_to_blocks and not kv.num_cached_block
@@ -296,7 +331,12 @@ def check_invariants(h: Harness) -> None:
         assert 0 <= r.num_spec_tokens <= s.config.num_speculative_tokens, r
         # The max_tokens guard: never promise more tokens than the request may have.
         assert r.num_output_tokens + P <= r.max_tokens, r
-        if r.status == RequestStatus.RUNNING:
+        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # It holds the device hit's blocks and those being loaded; nothing in flight.
+            assert C % bs == 0 and P == 0 and r.num_in_flight_tokens == 0, r
+            assert rid in kv.req_to_blocks and r in s.waiting, r
+            assert s._load_target[rid] > C, r
+        elif r.status == RequestStatus.RUNNING:
             assert r.num_stale_output_tokens == 0, r
             assert P == (promised if is_async else 0), (r, promised)
             if r.is_prefill_chunk:
@@ -317,7 +357,21 @@ def check_invariants(h: Harness) -> None:
     if hybrid:
         assert not kv.req_to_blocks
         assert null is not None and null.ref_cnt == 1 and null.block_hash is None
-    assert set(tables) <= set(running_ids), (set(tables), running_ids)
+    loading = {rid for rid, r in s.requests.items()
+               if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+    assert set(s._load_target) == loading
+    assert set(tables) <= set(running_ids) | loading | set(s._delayed_free), (
+        set(tables), running_ids)
+    assert set(s._delayed_free).isdisjoint(s.requests)
+    # A transfer in flight uses blocks its request (live or ended) still holds alone.
+    for x in h.fake_connector.pending if h.fake_connector is not None else ():
+        held = {b.block_id for b in kv.get_blocks(x.transfer.req_id)}
+        assert set(x.transfer.block_ids) <= held, x
+        if x.kind == "load":
+            assert all(pool.blocks[b].ref_cnt == 1 for b in x.transfer.block_ids), x
+            for rec in h.in_flight:
+                for touched in rec.touched.values():
+                    assert touched.isdisjoint(x.transfer.block_ids), (x, rec.seq)
     refs: Counter[int] = Counter()
     holders: dict[int, set[str]] = {}
     for rid, groups in tables.items():
@@ -372,6 +426,8 @@ def check_invariants(h: Harness) -> None:
     # Prefix cache: only full blocks wholly below min(T, C), under the request's own hash
     # (keyed by group in a hybrid cache).
     for rid, groups in tables.items():
+        if rid in s._delayed_free:
+            continue  # ended: its blocks wait for a transfer
         r = s.requests[rid]
         frontier = min(r.num_tokens, r.num_computed_tokens)
         num_cached = kv.num_cached_block.get(rid, 0)

@@ -74,4 +74,4 @@ def test_waiting_requests_by_reason_are_exported(server):
     text = httpx.get(f"{server.base_url}/metrics").text
     reasons = {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text)
                for s in fam.samples if s.name == "vllm:num_requests_waiting_by_reason"}
-    assert reasons == {"capacity": 0.0, "deferred": 0.0}
+    assert reasons == {"capacity": 0.0, "deferred": 0.0, "remote_kvs": 0.0}

@@ -124,13 +124,15 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_reserved_tokens: int = 0,
         fence_step_seq: int | None = None,
+        publish: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more positions; None if the pool is too full.
 
         ``num_reserved_tokens`` asks that room for that many further tokens be free too
         (without taking it), so an admission does not start a prompt it cannot finish.
         ``fence_step_seq`` fences blocks the allocation releases: one full-attention group
-        releases none (see HybridKVCacheManager).
+        releases none (see HybridKVCacheManager). ``publish=False`` publishes no new block:
+        a KV connector fills them later, and publishes them once it has.
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -149,7 +151,7 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and publish:
             # At schedule time the KV of every scheduled position is enqueued, so the
             # frontier is what will be computed, capped at the known ids.
             self.cache_blocks(request, min(total, request.num_tokens))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from forerun.kv_connector.base import KVConnectorOutput
 from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
 
@@ -59,6 +60,8 @@ class SchedulerOutput:
     # Requests whose scheduled tokens end in draft positions: how many (never which ids;
     # the worker has those). The worker may verify fewer, if its drafter found fewer.
     scheduled_spec_decode_tokens: dict[str, int] = field(default_factory=dict)
+    # The KV connector's instructions for its worker half (KVConnectorMetadata), if any.
+    kv_connector_metadata: Any = None
 
 
 @dataclass(slots=True)
@@ -100,6 +103,8 @@ class ModelRunnerOutput:
     num_next_draft_tokens: dict[str, int] = field(default_factory=dict)
     # Pooling requests whose last prompt position this step computed: the pooled vector.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # The KV connector's worker half: transfers finished since the last step.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from forerun.request import Request, RequestStatus
 from forerun.structured.manager import GrammarEvent, Readiness
 
 if TYPE_CHECKING:
+    from forerun.kv_connector.base import KVConnectorBase, KVConnectorOutput
     from forerun.structured.bitmask import GrammarBitmask
     from forerun.structured.manager import StructuredOutputManager
 
@@ -59,6 +60,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         structured_output_manager: StructuredOutputManager | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = config
         # Compiles grammars, advances them with delivered tokens, builds step bitmasks.
@@ -84,6 +86,18 @@ class Scheduler:
         self.processed_step_seq = 0
         self.counters = SchedulerCounters()
         self._next_step_id = 0
+        # The KV connector's scheduler half (forerun/kv_connector/), or None: then none of
+        # the state below is ever touched.
+        self.connector = connector
+        if connector is not None and kv_cache_manager.releases_blocks_while_running:
+            raise ValueError("kv_transfer_config: KV connectors support one KV cache group "
+                             "(no sliding-window layers) for now")
+        # Requests in WAITING_FOR_REMOTE_KVS: the tokens they hold once loaded.
+        self._load_target: dict[str, int] = {}
+        # Blocks whose loads failed (reported before or with their request's finish).
+        self._invalid_block_ids: set[int] = set()
+        # Ended requests whose blocks a transfer still uses: freed when it reports.
+        self._delayed_free: dict[str, Request] = {}
 
     # ----- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -121,7 +135,9 @@ class Scheduler:
             self._free_request(request)
 
     def has_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        """Work left: requests, or (with a connector) ended requests' transfers, which need
+        steps to be started and reported."""
+        return bool(self.running or self.waiting or self._delayed_free)
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot of the queues and counters (the KV cache reports its own)."""
@@ -134,6 +150,7 @@ class Scheduler:
                 1 for r in self.waiting
                 if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
                 or r.num_stale_output_tokens > 0),
+            num_waiting_reqs_for_remote_kvs=len(self._load_target),
             num_grammars_compiled=grammar.num_compiled if grammar else 0,
             num_grammar_compile_errors=grammar.num_compile_errors if grammar else 0,
             num_grammar_rejected_tokens=grammar.num_rejected_tokens if grammar else 0,
@@ -255,7 +272,7 @@ class Scheduler:
             while (
                 self.waiting
                 and token_budget > 0
-                and len(self.running) < self.config.max_num_seqs
+                and len(self.running) + len(self._load_target) < self.config.max_num_seqs
                 and len(num_scheduled) < max_reqs
             ):
                 request = self.waiting[0]
@@ -273,19 +290,32 @@ class Scheduler:
                             skipped.append(request)
                             compiling.append(request)
                         continue
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    skipped.append(self.waiting.popleft())  # its blocks are being filled
+                    continue
                 if request.skips_prefix_cache:
                     # Cached positions would not be computed, and their logprobs (or their
                     # hidden states, for MEAN/CLS pooling) are needed.
                     hits, num_hit = [], 0
                 else:
                     hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                n = min(request.num_tokens - num_hit, token_budget)
-                remaining = request.num_tokens - num_hit - n
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, n, num_hit, hits, num_reserved_tokens=remaining
-                )
-                if new_blocks is None:
-                    break
+                if self.connector is not None and not request.skips_prefix_cache:
+                    loading = self._admit_with_connector(request, hits, num_hit, token_budget)
+                    if loading is None:
+                        break
+                    if loading:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    num_hit = request.num_computed_tokens
+                    n = min(request.num_tokens - num_hit, token_budget)
+                else:
+                    n = min(request.num_tokens - num_hit, token_budget)
+                    remaining = request.num_tokens - num_hit - n
+                    new_blocks = self.kv_cache_manager.allocate_slots(
+                        request, n, num_hit, hits, num_reserved_tokens=remaining
+                    )
+                    if new_blocks is None:
+                        break
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -306,6 +336,70 @@ class Scheduler:
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled,
                                   new_blocks_of, spec_of)
+
+    def _admit_with_connector(self, request: Request, hits: list, num_hit: int,
+                              token_budget: int) -> bool | None:
+        """Allocate for a waiting request, asking the connector what it can supply past the
+        device hit. None: no room (the pass stops). True: an asynchronous load started, the
+        request waits in WAITING_FOR_REMOTE_KVS holding its blocks. False: it runs now, with
+        ``num_computed_tokens`` the device hit plus any synchronously loaded tokens."""
+        assert self.connector is not None
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+        load_async = load_async and num_external > 0
+        computed = num_hit + num_external
+        n = 0 if load_async else min(request.num_tokens - computed, token_budget)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, n, computed, hits, num_reserved_tokens=request.num_tokens - computed - n,
+            publish=not load_async)
+        if new_blocks is None:
+            return None
+        request.num_computed_tokens = num_hit
+        if num_external:
+            self.connector.update_state_after_alloc(
+                request, (self.kv_cache_manager.get_block_ids(request.request_id),),
+                num_external)
+        request.num_computed_tokens = computed
+        if not load_async:
+            return False
+        request.num_computed_tokens = num_hit
+        self.kv_cache_manager.cache_blocks(request, num_hit)  # the hit's own frontier
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._load_target[request.request_id] = computed
+        return True
+
+    def _update_from_kv_xfer_finished(self, kv_out: KVConnectorOutput) -> None:
+        """Apply the worker half's report: free what ended requests' transfers held, and
+        make loaded requests ordinary waiting ones again."""
+        assert self.connector is not None
+        self.connector.update_connector_output(kv_out)
+        self._invalid_block_ids |= kv_out.invalid_block_ids
+        for req_id in kv_out.finished_sending | kv_out.finished_recving:
+            ended = self._delayed_free.pop(req_id, None)
+            if ended is not None:
+                self._release_blocks(ended)
+                continue
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._finish_load(request)
+
+    def _finish_load(self, request: Request) -> None:
+        """Publish the loaded blocks (up to the first that failed), then release them all
+        into the device prefix cache: the request is admitted as a fresh one and finds them
+        there. So no waiting request holds blocks that a running one might need."""
+        kv = self.kv_cache_manager
+        target = self._load_target.pop(request.request_id)
+        blocks = kv.get_block_ids(request.request_id)
+        loaded = target
+        for i in range(request.num_computed_tokens // self.block_size,
+                       target // self.block_size):
+            if blocks[i] in self._invalid_block_ids:
+                loaded = i * self.block_size
+                break
+        self._invalid_block_ids.difference_update(blocks)
+        kv.cache_blocks(request, loaded)
+        self._release_blocks(request)  # no step of this life touched them: freed now
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
 
     def _try_promote_blocked(self, request: Request) -> bool:
         """True once the request's grammar is compiled; it then waits as usual.
@@ -365,6 +459,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_of,
         )
         self._next_step_id += 1
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         # New sets: the output holds the old ones.
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -415,9 +511,21 @@ class Scheduler:
         self.kv_cache_manager.free(request, self._free_fence(request))
 
     def _free_request(self, request: Request) -> None:
-        self._release_blocks(request)
+        self._load_target.pop(request.request_id, None)
+        if self.connector is not None and self._connector_delays_free(request):
+            self._delayed_free[request.request_id] = request
+        else:
+            self._release_blocks(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    def _connector_delays_free(self, request: Request) -> bool:
+        """Ask the connector whether a transfer (a save, a load in flight) still needs the
+        request's blocks; it may start a save here."""
+        assert self.connector is not None
+        block_ids = (self.kv_cache_manager.get_block_ids(request.request_id),)
+        delay, _params = self.connector.request_finished(request, block_ids)
+        return delay
 
     # ----- outputs ----------------------------------------------------------------------
     def update_from_output(
@@ -427,6 +535,8 @@ class Scheduler:
         if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
             self.processed_step_seq += 1
             self.kv_cache_manager.free_deferred(self.processed_step_seq)
+        if model_runner_output.kv_connector_output is not None and self.connector is not None:
+            self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         index = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
         outputs, self._outputs_without_step = self._outputs_without_step, []

@@ -60,6 +60,8 @@ class SchedulerStats(SchedulerCounters, frozen=True, kw_only=True):
     # reason): a grammar still compiling, or stale output of a preemption in flight. The
     # rest wait for capacity (KV blocks, the token budget, max_num_seqs).
     num_waiting_reqs_deferred: int = 0
+    # Waiting requests whose blocks a KV connector is filling (WAITING_FOR_REMOTE_KVS).
+    num_waiting_reqs_for_remote_kvs: int = 0
     # Grammar (structured output) counters; zero on an engine without a grammar backend.
     num_grammars_compiled: int = 0
     num_grammar_compile_errors: int = 0

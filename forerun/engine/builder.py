@@ -95,7 +95,9 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
                                       info.eos_token_ids)
     structured = StructuredOutputManager(
         grammar_backend, compile_timeout_s=config.structured_outputs_compile_timeout_s)
-    scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv, structured)
+    sched_conn, worker_conn = _kv_connectors(config, info, dtype, bs)
+    scheduler = (AsyncScheduler if async_on else Scheduler)(sched_config, kv, structured,
+                                                            sched_conn)
 
     def make_runner() -> ModelRunner:
         if config.simulated_device is not None:
@@ -105,7 +107,8 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
         model = shared_model(info, dtype, device, config.quantization)
         return ModelRunner(model, num_blocks, bs, mc.num_key_value_heads, mc.head_dim,
                            mc.num_hidden_layers, dtype, device, config.max_num_seqs, tracer,
-                           vocab_size=mc.vocab_size, speculative_config=spec_config)
+                           vocab_size=mc.vocab_size, speculative_config=spec_config,
+                           kv_connector=worker_conn)
 
     if config.world_size > 1:
         check_tensor_parallel(mc, config.tensor_parallel_size)
@@ -116,3 +119,20 @@ def build_engine_core(config: EngineConfig, info: ModelInfo | None = None) -> En
         executor = Executor(make_runner)
     logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, bs, dtype)
     return EngineCore(scheduler, executor, depth, tracer, async_scheduling=async_on)
+
+
+def _kv_connectors(config: EngineConfig, info: ModelInfo, dtype: torch.dtype, block_size: int
+                   ) -> tuple[Any, Any]:
+    """(scheduler half, worker half) of the configured KV connector, or (None, None)."""
+    kv_transfer = config.resolve_kv_transfer()
+    if kv_transfer is None:
+        return None, None
+    from forerun.kv_connector.factory import KVLayout, make_kv_connectors
+    mc = info.model_config
+    # What the KV bytes depend on: the weights (where they come from, how they are
+    # quantized) and the architecture; the dtype and layout are KVLayout's own fields.
+    model_id = f"{info.source.path}|{info.source.gguf_file}|q={config.quantization}|{mc!r}"
+    layout = KVLayout(model_id, dtype, mc.num_hidden_layers, mc.num_key_value_heads,
+                      mc.head_dim, block_size)
+    ram = int((config.kv_offloading_size or 0) * (1 << 30))
+    return make_kv_connectors(kv_transfer, layout, ram, config.kv_offload_dir)

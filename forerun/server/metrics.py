@@ -110,12 +110,15 @@ class _EngineStatsCollector(Collector):
                     sched.num_waiting_reqs)
         by_reason = GaugeMetricFamily(
             "num_requests_waiting_by_reason",
-            "Waiting requests by reason: capacity (KV blocks, budget, max_num_seqs) or "
-            "deferred (a grammar compiling, a preemption's output in flight).",
+            "Waiting requests by reason: capacity (KV blocks, budget, max_num_seqs), "
+            "deferred (a grammar compiling, a preemption's output in flight) or remote_kvs "
+            "(a KV connector loading their blocks).",
             labels=[*LABELS, "reason"])
         deferred = sched.num_waiting_reqs_deferred
-        by_reason.add_metric([*labels, "capacity"], sched.num_waiting_reqs - deferred)
+        remote = sched.num_waiting_reqs_for_remote_kvs
+        by_reason.add_metric([*labels, "capacity"], sched.num_waiting_reqs - deferred - remote)
         by_reason.add_metric([*labels, "deferred"], deferred)
+        by_reason.add_metric([*labels, "remote_kvs"], remote)
         yield by_reason
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
                     kv.usage)

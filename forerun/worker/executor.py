@@ -89,4 +89,7 @@ class Executor:
             return
         self._closed = True
         self._pool.submit(lambda: None).result()  # FIFO: everything queued before is done
+        connector = getattr(self.runner, "kv_connector", None)
+        if connector is not None:
+            connector.shutdown()  # its queued saves finish writing to disk
         self._threads_guard.restore()

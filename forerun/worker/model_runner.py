@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forerun.core.output import ModelRunnerOutput, SchedulerOutput
+from forerun.kv_connector.base import KVConnectorBase, KVConnectorOutput
 from forerun.model.attention import new_kv_cache
 from forerun.spec_decode.config import SpeculativeConfig
 from forerun.trace import WORKER_LANE, Tracer
@@ -58,6 +59,7 @@ class ModelRunner:
         vocab_size: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
         pipeline: PipelineComm | None = None,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.model = model
         # Pipeline parallel: this runner is one stage (forerun/worker/pipeline.py).
@@ -90,6 +92,12 @@ class ModelRunner:
         # The device half of every step; a subclass may swap it (worker/simulated.py).
         self.backend: StepBackend = local if pipeline is None else PipelineStage(pipeline, local)
         self._step: StepState | None = None
+        # The KV connector's worker half (forerun/kv_connector/): its transfers start before
+        # a step's forward and are reported with the step's output.
+        self.kv_connector = kv_connector
+        self._step_finished_ids: set[str] = set()
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_caches)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs | None:
         """Apply the step's request changes and build its inputs, placeholders filled;
@@ -109,6 +117,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
         """Prepare the step and launch its forward; sample_tokens takes it from there."""
+        if self.kv_connector is not None:
+            self._step_finished_ids = so.finished_req_ids
+            if so.kv_connector_metadata is not None:
+                self.kv_connector.start_load_kv(so.kv_connector_metadata)
         inputs = self._prepare_inputs(so)
         if inputs is not None:
             self._step = self.backend.forward(inputs, so.step_id)
@@ -120,7 +132,45 @@ class ModelRunner:
         step = self._step
         assert step is not None, "sample_tokens without execute_model"
         self._step = None
-        return self.backend.sample(step, grammar_bitmask)
+        out = self.backend.sample(step, grammar_bitmask)
+        if self.kv_connector is None:
+            return out
+        return _with_kv_output(out, self._kv_connector_output(idle=not step.req_ids))
+
+    def _kv_connector_output(self, idle: bool) -> KVConnectorOutput | None:
+        """Transfers finished since the last step; an idle step waits a little for one."""
+        conn = self.kv_connector
+        assert conn is not None
+        if idle:
+            conn.wait_for_transfers(0.005)
+        sending, recving = conn.get_finished(self._step_finished_ids)
+        out = KVConnectorOutput(sending, recving, conn.get_block_ids_with_load_errors())
+        return None if out.is_empty() else out
+
+
+class _KVOutputDeferred:
+    """A deferred output that carries the step's KV connector report."""
+
+    def __init__(self, inner: DeferredOutput, kv_out: KVConnectorOutput) -> None:
+        self._inner, self._kv_out = inner, kv_out
+
+    def get_output(self) -> ModelRunnerOutput:
+        out = self._inner.get_output()
+        out.kv_connector_output = self._kv_out
+        return out
+
+    def done(self) -> bool:
+        return getattr(self._inner, "done", lambda: True)()
+
+
+def _with_kv_output(out: ModelRunnerOutput | DeferredOutput, kv_out: KVConnectorOutput | None
+                    ) -> ModelRunnerOutput | DeferredOutput:
+    if kv_out is None:
+        return out
+    if isinstance(out, ModelRunnerOutput):
+        out.kv_connector_output = kv_out
+        return out
+    return _KVOutputDeferred(out, kv_out)
 
 
 def _vocab_of(model: torch.nn.Module) -> int:
