@@ -9,7 +9,8 @@ frames are JSON.
    then per layer one frame of K and one of V: the requested blocks, in order, as the
    cache holds them (the consumer's cache has the same layout: same fingerprint);
 3. consumer -> ``{"done": true}`` once it has written every block: the producer then frees
-   them. A consumer that vanishes first leaves the offer in place until it expires.
+   them and answers ``{"ok": true}``. A consumer that vanishes first leaves the offer in
+   place until it expires.
 
 Reads of the producer's cache run on the server's threads while steps run: the blocks
 offered belong to a finished request whose free is held back until ``done`` (or the
@@ -181,6 +182,7 @@ class KVBlockServer:
                 with self._lock:
                     if self._offers.pop(rid, None) is not None:
                         self._done.add(rid)
+                send_json(sock, {"ok": True})
         except (OSError, TransferError) as e:
             logger.info("KV block server: a pull ended early: %s", e)
 
@@ -219,4 +221,5 @@ def pull_blocks(host: str, port: int, request_id: str, fingerprint: str, first_b
                 cache.index_copy_(0, dst, buf)
                 total += size
         send_json(sock, {"done": True})
+        recv_json(sock)  # the producer has let the blocks go
     return total
