@@ -9,6 +9,7 @@ import sys
 from forerun.bench.cli_bench import add_bench_parser
 from forerun.cli_generate import add_chat_parser, add_generate_parser
 from forerun.server.cli_serve import add_serve_parser
+from forerun.server.disagg_proxy import add_disagg_proxy_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     add_chat_parser(subparsers)
     add_serve_parser(subparsers)
     add_bench_parser(subparsers)
+    add_disagg_proxy_parser(subparsers)
     parser.add_argument("--log-level", default="WARNING",
                         help="DEBUG, INFO, WARNING (default) or ERROR")
     args = parser.parse_args(argv)

@@ -198,6 +198,10 @@ class EngineConfig:
                              f"{self.kv_offloading_size}")
         if self.resolve_kv_transfer() is None:
             return
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_transfer_config: a KV connector hands the blocks it loads to "
+                             "the request through the prefix cache; enable_prefix_caching "
+                             "must stay on")
         for what, bad in (("tensor/pipeline parallel", self.world_size > 1),
                           ("simulated_device", self.simulated_device is not None),
                           ("defer_block_free=False with steps in flight",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -59,6 +60,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     # One per prompt token when asked; the first is None (nothing predicts it).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # A KV connector's answer for the finished request (a prefill/decode producer's says
+    # where its KV can be read); None otherwise.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

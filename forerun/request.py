@@ -68,6 +68,9 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.cache_salt = cache_salt
+        # A KV connector's instructions (vLLM's kv_transfer_params, from extra_args).
+        extra = sampling_params.extra_args or {}
+        self.kv_transfer_params: dict[str, Any] | None = extra.get("kv_transfer_params")
         max_tokens = sampling_params.max_tokens
         self.max_tokens: int = max_tokens if max_tokens is not None else 1 << 30
 

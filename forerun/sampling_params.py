@@ -218,6 +218,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # A StructuredOutputsParams (a dict with its fields is accepted and converted).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's extension point; forerun reads "kv_transfer_params" (docs/kv_connector.md).
+    extra_args: dict[str, Any] | None = None
     # Filled in by the engine: the model's EOS ids that end generation unless ignore_eos.
     # Private, but a field: it must cross the process boundary with the rest.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -268,6 +270,13 @@ class SamplingParams:
                 setattr(self, name, check_logprobs_count(name, getattr(self, name)))
         if self.structured_outputs is not None:
             self.structured_outputs = _check_structured(self.structured_outputs)
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict) or not all(
+                    isinstance(k, str) for k in self.extra_args):
+                raise ValueError("extra_args must be a dict with string keys")
+            params = self.extra_args.get("kv_transfer_params")
+            if params is not None and not isinstance(params, dict):
+                raise ValueError("kv_transfer_params must be an object")
         self._verify_logits_processing()
 
     def _stop_strings(self) -> list[str]:

@@ -121,6 +121,8 @@ class EngineCoreOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # A pooling request's result (it comes with its finish).
     pooling_output: list[float] | None = None
+    # The KV connector's request_finished answer (with the finish), if it has one.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -510,22 +510,22 @@ class Scheduler:
     def _release_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request, self._free_fence(request))
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Free an ended request; the connector's kv_transfer_params for its output."""
         self._load_target.pop(request.request_id, None)
-        if self.connector is not None and self._connector_delays_free(request):
+        delay, params = False, None
+        if self.connector is not None:
+            # A transfer (a save, a consumer's read) may still need the blocks; the
+            # connector may start a save here.
+            block_ids = (self.kv_cache_manager.get_block_ids(request.request_id),)
+            delay, params = self.connector.request_finished(request, block_ids)
+        if delay:
             self._delayed_free[request.request_id] = request
         else:
             self._release_blocks(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-
-    def _connector_delays_free(self, request: Request) -> bool:
-        """Ask the connector whether a transfer (a save, a load in flight) still needs the
-        request's blocks; it may start a save here."""
-        assert self.connector is not None
-        block_ids = (self.kv_cache_manager.get_block_ids(request.request_id),)
-        delay, _params = self.connector.request_finished(request, block_ids)
-        return delay
+        return params
 
     # ----- outputs ----------------------------------------------------------------------
     def update_from_output(
@@ -580,12 +580,13 @@ class Scheduler:
                 request.prompt_logprobs_sent = True
             if not stopped and not is_stale and request.status == RequestStatus.RUNNING:
                 self._set_next_spec_tokens(request, model_runner_output)
+            kv_transfer_params = None
             if stopped:
                 if status_before == RequestStatus.RUNNING:
                     stopped_running.add(req_id)
                 else:
                     self.waiting.remove(request)
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
             if new_ids or stopped:
                 outputs.append(
                     EngineCoreOutput(
@@ -598,6 +599,7 @@ class Scheduler:
                         logprobs=logprobs[: len(new_ids)] if logprobs is not None else None,
                         prompt_logprobs=prompt_logprobs,
                         pooling_output=pooled,
+                        kv_transfer_params=kv_transfer_params,
                     )
                 )
         if stopped_running:

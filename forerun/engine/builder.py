@@ -167,7 +167,8 @@ def _kv_connectors(config: EngineConfig, info: ModelInfo, dtype: torch.dtype, bl
     # What the KV bytes depend on: the weights (where they come from, how they are
     # quantized) and the architecture; the dtype and layout are KVLayout's own fields.
     model_id = f"{info.source.path}|{info.source.gguf_file}|q={config.quantization}|{mc!r}"
+    portable_id = f"{info.source.name}|{info.source.gguf_file}|q={config.quantization}|{mc!r}"
     layout = KVLayout(model_id, dtype, mc.num_hidden_layers, mc.num_key_value_heads,
-                      mc.head_dim, block_size)
+                      mc.head_dim, block_size, portable_id)
     ram = int((config.kv_offloading_size or 0) * (1 << 30))
     return make_kv_connectors(kv_transfer, layout, ram, config.kv_offload_dir)

@@ -6,6 +6,8 @@ the API process, so the core process only schedules and runs the model.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from forerun.core.output import EngineCoreOutput, TokenLogprobs
@@ -61,11 +63,13 @@ class WireOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     pooling_output: list[float] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_core_output(self) -> EngineCoreOutput:
         return EngineCoreOutput(self.request_id, self.new_token_ids, self.finish_reason,
                                 self.stop_reason, self.num_cached_tokens, self.logprobs,
-                                self.prompt_logprobs, self.pooling_output)
+                                self.prompt_logprobs, self.pooling_output,
+                                self.kv_transfer_params)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

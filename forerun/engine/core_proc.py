@@ -139,7 +139,8 @@ class EngineCoreProc:
                 self.unreported.pop(o.request_id, None)
             wire.append(WireOutput(o.request_id, o.new_token_ids, o.finish_reason,
                                    o.stop_reason, o.num_cached_tokens, sched_time,
-                                   o.logprobs, o.prompt_logprobs, o.pooling_output))
+                                   o.logprobs, o.prompt_logprobs, o.pooling_output,
+                                   o.kv_transfer_params))
         self._send(CoreOutputs(wire))
 
     def _send(self, msg: CoreOutputs | StatsReply | Heartbeat) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from forerun.core.output import EngineCoreOutput, TokenLogprobs
 from forerun.engine.detokenizer import IncrementalDetokenizer
@@ -42,6 +43,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # A pooling request: its one output is a PoolingRequestOutput.
     pooling_params: PoolingParams | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def visible_text(self) -> str:
         """Text safe to show now: never a prefix of a stop string that may still match."""
@@ -61,7 +63,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids, outputs=[completion],
             finished=self.finish_reason is not None, num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics, new_token_ids=new_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs, kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -152,6 +154,7 @@ class OutputProcessor:
             if out.finish_reason is not None and not stopped_by_string:
                 state.finish_reason = out.finish_reason
                 state.stop_reason = out.stop_reason
+                state.kv_transfer_params = out.kv_transfer_params
             if stopped_by_string and out.finish_reason is None:
                 to_abort.append(out.request_id)
             if state.finish_reason is not None:

@@ -14,7 +14,7 @@ from forerun.kv_connector.offloading_connector import OffloadingConnector
 
 logger = logging.getLogger(__name__)
 
-CONNECTORS = ("OffloadingConnector",)
+CONNECTORS = ("OffloadingConnector", "TCPConnector")
 
 
 @dataclass(slots=True)
@@ -27,6 +27,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    # What identifies the KV bytes on another machine too: model_id without the path.
+    portable_id: str = ""
 
     @property
     def block_bytes(self) -> int:
@@ -37,6 +39,8 @@ class KVLayout:
 def make_kv_connectors(config: KVTransferConfig, layout: KVLayout, ram_bytes: int,
                        disk_dir: str | None) -> tuple[KVConnectorBase, KVConnectorBase]:
     """(scheduler half, worker half) of ``config.kv_connector``."""
+    if config.kv_connector == "TCPConnector":
+        return _tcp_connectors(config, layout)
     if config.kv_connector != "OffloadingConnector":
         raise ValueError(f"kv_transfer_config.kv_connector: unknown connector "
                          f"{config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
@@ -55,3 +59,34 @@ def make_kv_connectors(config: KVTransferConfig, layout: KVLayout, ram_bytes: in
                 layout.block_bytes >> 10)
     return (OffloadingConnector(KVConnectorRole.SCHEDULER, store, layout.block_size),
             OffloadingConnector(KVConnectorRole.WORKER, store, layout.block_size))
+
+
+def _tcp_connectors(config: KVTransferConfig, layout: KVLayout
+                    ) -> tuple[KVConnectorBase, KVConnectorBase]:
+    from forerun.kv_connector.tcp_connector import TCPConnector, TCPConnectorShared
+    from forerun.kv_connector.tcp_transport import KVBlockServer
+    extra = dict(config.kv_connector_extra_config)
+    offer_timeout_s = float(extra.pop("offer_timeout_s", 120.0))
+    pull_timeout_s = float(extra.pop("pull_timeout_s", 60.0))
+    if extra:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown keys "
+                         f"{sorted(extra)} (TCPConnector takes offer_timeout_s, "
+                         "pull_timeout_s)")
+    if offer_timeout_s <= 0 or pull_timeout_s <= 0:
+        raise ValueError("kv_transfer_config: offer_timeout_s and pull_timeout_s must be > 0")
+    fp = kv_fingerprint(layout.portable_id or layout.model_id, layout.dtype,
+                        layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                        layout.block_size).hex()
+    server = None
+    if config.kv_role in ("kv_producer", "kv_both"):
+        try:
+            server = KVBlockServer(config.kv_ip, config.kv_port, fp, offer_timeout_s)
+        except OSError as e:
+            raise ValueError(f"kv_transfer_config: cannot listen on {config.kv_ip}:"
+                             f"{config.kv_port}: {e.strerror or e}") from None
+    shared = TCPConnectorShared(config.kv_role, layout.block_size, fp, server,
+                                config.kv_ip, pull_timeout_s)
+    logger.info("prefill/decode over TCP: %s%s", config.kv_role,
+                f", serving KV on {config.kv_ip}:{server.port}" if server else "")
+    return (TCPConnector(KVConnectorRole.SCHEDULER, shared),
+            TCPConnector(KVConnectorRole.WORKER, shared))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 UNSET = msgspec.UNSET
@@ -69,6 +71,8 @@ class Completion(msgspec.Struct):
     object: str = "text_completion"
     usage: Usage | None | msgspec.UnsetType = UNSET
     system_fingerprint: None = None
+    # vLLM's: a KV connector's answer (a prefill instance's says where its KV is).
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = UNSET
 
 
 class FunctionCall(msgspec.Struct):
@@ -135,6 +139,7 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: None = None
     metadata: None = None
     moderation: None = None
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = UNSET
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):

@@ -96,6 +96,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         rid, now_s(), ctx.model_name, choices,
         Usage.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)))
     add_prompt_extras(resp, body, out)
+    if out.kv_transfer_params is not None:
+        resp.kv_transfer_params = out.kv_transfer_params
     return Response(encode(resp), media_type="application/json")
 
 

@@ -84,6 +84,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
             n_gen += len(c.token_ids)
         n_prompt += len(out.prompt_token_ids)
     resp = Completion(rid, now_s(), ctx.model_name, choices, usage=Usage.of(n_prompt, n_gen))
+    if len(outs) == 1 and outs[0].kv_transfer_params is not None:
+        resp.kv_transfer_params = outs[0].kv_transfer_params
     return Response(encode(resp), media_type="application/json")
 
 

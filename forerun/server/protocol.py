@@ -31,7 +31,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "prompt_embeds": (None,),
     "priority": (None, 0),
     "cache_salt": (None,),
-    "kv_transfer_params": (None,),
     "vllm_xargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
     "media_io_kwargs": (None, {}),
@@ -192,6 +191,8 @@ class _BaseRequest(TextCheckedRequest):
     # vLLM's beam search (forerun/beam_search.py): n is the beam width.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: instructions for the engine's KV connector (prefill/decode disaggregation).
+    kv_transfer_params: dict[str, Any] | None = None
 
     # The endpoint's own unsupported extras, on top of _UNSUPPORTED_DEFAULTS.
     _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -318,6 +319,8 @@ class _BaseRequest(TextCheckedRequest):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             n=self.n,
+            extra_args=None if self.kv_transfer_params is None
+            else {"kv_transfer_params": self.kv_transfer_params},
             structured_outputs=structured_outputs_of({
                 "response_format": self.response_format,
                 "structured_outputs": self.structured_outputs,
