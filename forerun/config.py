@@ -204,6 +204,9 @@ class EngineConfig:
                              "must stay on")
         for what, bad in (("tensor/pipeline parallel", self.world_size > 1),
                           ("simulated_device", self.simulated_device is not None),
+                          # Its payloads are the (K, V) pages, not a quantized cache's scales.
+                          (f"kv_cache_dtype={self.kv_cache_dtype}",
+                           self.kv_cache_dtype != "auto"),
                           ("defer_block_free=False with steps in flight",
                            self.defer_block_free is False
                            and self.resolve_async()[1] > 1)):
