@@ -45,6 +45,10 @@ NON_DEFAULTS: dict[str, tuple[list[str], object]] = {
     "node_rank": (["1"], 1),
     "master_addr": (["10.1.2.3"], "10.1.2.3"),
     "master_port": (["29555"], 29555),
+    "kv_transfer_config": (['{"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}'],
+                           {"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}),
+    "kv_offloading_size": (["1.5"], 1.5),
+    "kv_offload_dir": (["/tmp/kv"], "/tmp/kv"),
 }
 BOOLEANS = {"enable_prefix_caching": False, "defer_block_free": True, "enable_expert_parallel": True}
 
