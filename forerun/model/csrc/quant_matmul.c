@@ -45,6 +45,13 @@
 #include "fp16.h"
 #include "qweight.h"
 
+/* An empty asm that takes v in a register and may change it: GCC can then neither
+ * reassociate a chain of adds through it nor hoist the products of later lines above it.
+ * Without it GCC computed all 8 lines' products of a sub-block pair first and summed them
+ * as a tree, spilling 28 vectors to the stack per pass (Q4_K, 4 activation rows per pass:
+ * 10-25% slower at 8 and 512 rows, one core). */
+#define KEEP_IN_REG(v) __asm__("" : "+x"(v))
+
 #define QK 32
 #define GR 16       /* rows per tile */
 #define MAXM 4      /* rows of x per pass over a group of weight rows */
@@ -484,6 +491,8 @@ static inline __attribute__((always_inline)) void group_kt_m(
                             sum[hh][1][i] = _mm256_add_epi16(sum[hh][1][i],
                                                              _mm256_maddubs_epi16(u1, a1[i]));
 #endif
+                            KEEP_IN_REG(sum[hh][0][i]);
+                            KEEP_IN_REG(sum[hh][1][i]);
                         }
                     }
 #if !defined(Q4K_VNNI)
@@ -582,8 +591,8 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
  * widens them, so a block of 32 needs one float multiply per row; the offset 32 is taken
  * back from the activations' sums per 16. Q6_K weights are held as the file's rows (for one
  * token kquant_matmul.c's row kernel is faster: 20 against 16 GB/s, 2048 x 8192 on 2 cores);
- * gguf_matmul.c regroups them into these tiles for a matmul of many rows (64 rows: 1.5x
- * faster than the rows), one pass over the weight per call (q6k_rows_to_tiles). */
+ * gguf_matmul.c regroups them into these tiles for a matmul of many rows (64 or more; see
+ * Q6K_TILE_ROWS there), one pass over the weight per call (q6k_rows_to_tiles). */
 #define Q6T_BYTES 3360
 #define Q6T_QL 288
 #define Q6T_QH 2336
@@ -598,100 +607,79 @@ static inline __m256i pair16(__m256i s) {
     return _mm256_blend_epi16(s, _mm256_slli_epi32(s, 16), 0xaa);
 }
 
+/* One half of the 16 rows (8 lanes) against m activation rows, block of 32 by block of 32:
+ * a line of ql and one of qh give the block's 4 values of 8 rows (4 ops, shared by the m
+ * rows); each activation row takes one maddubs per line, two lines summed in int16
+ * (2 * 2 * 63 * 127 < 32767) and weighted by their sub-block's scale in the madd that widens
+ * them, the block's int32 sum then one float FMA (d s_j). Per activation row that is one
+ * int32 and one float accumulator, so m = 4 keeps every sum in a register (the former body
+ * held 16 int16 sums per half, 4 blocks at once, which spilled: this one is 1.02-1.08x as
+ * fast at 64 and 512 rows, one core). */
 static inline __attribute__((always_inline)) void group_q6k_m(
     const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
     int64_t k, const int m, float out[MAXM][GR]) {
     const int64_t nb = k / QK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
-    const int hp = m <= 2 ? 2 : 1; /* halves of the 16 rows per pass, as group_kt_m */
-    for (int h0 = 0; h0 < 2; h0 += hp) {
-        __m256 acc[2][MAXM], fix[2][MAXM];
-        for (int hh = 0; hh < hp; ++hh)
-            for (int i = 0; i < m; ++i) acc[hh][i] = fix[hh][i] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[MAXM], fix[MAXM];
+        for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nsb; ++b) {
             const uint8_t *t = tiles + b * Q6T_BYTES;
-            if (h0 == 0)
+            if (h == 0)
                 for (int64_t o = 0; o < Q6T_BYTES; o += 64)
                     _mm_prefetch((const char *)(t + Q6T_BYTES + o), _MM_HINT_T0);
-            __m256 d[2];
-            for (int hh = 0; hh < hp; ++hh)
-                d[hh] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * (h0 + hh))));
-            /* The sub-block scales as madd takes them; and the offset: the sum over sub-blocks
-             * c of sc_c * (s * sum of the 16 q), times 32 d. */
-            __m256i scp[2][16];
-            for (int hh = 0; hh < hp; ++hh) {
-                __m256 corr[MAXM];
-                for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
-                for (int c = 0; c < 16; ++c) {
-                    const __m256i sc = q6_scales(t + 32 + 16 * c, h0 + hh);
-                    scp[hh][c] = pair16(sc);
-                    const __m256 scf = _mm256_cvtepi32_ps(sc);
-                    for (int i = 0; i < m; ++i)
-                        corr[i] = _mm256_fmadd_ps(
-                            scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]), corr[i]);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
+            /* The offset: the sum over sub-blocks c of sc_c * (s * sum of the 16 q), times
+             * 32 d (taken back at the end). */
+            __m256 corr[MAXM];
+            for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
+            for (int c = 0; c < 16; ++c) {
+                const __m256 scf = _mm256_cvtepi32_ps(q6_scales(t + 32 + 16 * c, h));
+                for (int i = 0; i < m; ++i)
+                    corr[i] = _mm256_fmadd_ps(
+                        scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]), corr[i]);
+            }
+            for (int i = 0; i < m; ++i) fix[i] = _mm256_fmadd_ps(corr[i], d, fix[i]);
+            for (int j = 0; j < 8; ++j) { /* block of 32: half f, block q of the half */
+                const int f = j / 4, q = j % 4;
+                __m256i dot[MAXM];
+                for (int i = 0; i < m; ++i) dot[i] = _mm256_setzero_si256();
+                for (int gg = 0; gg < 4; ++gg) { /* lines 2gg, 2gg + 1: 8 values, one scale */
+                    const __m256i sc = pair16(q6_scales(t + 32 + 16 * (2 * j + gg / 2), h));
+                    __m256i u[2];
+                    for (int e = 0; e < 2; ++e) {
+                        const int g = 2 * gg + e;
+                        const __m256i l = _mm256_loadu_si256((const __m256i *)(
+                            t + Q6T_QL + 64 * (16 * f + 8 * (q % 2) + g) + 32 * h));
+                        const __m256i qh = _mm256_loadu_si256(
+                            (const __m256i *)(t + Q6T_QH + 64 * (8 * f + g) + 32 * h));
+                        const __m256i lo = q / 2 ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low4)
+                                                 : _mm256_and_si256(l, low4);
+                        /* Block q takes bits 2q..2q+1 of qh as its bits 4-5. */
+                        const __m256i hb = q == 0   ? _mm256_slli_epi16(qh, 4)
+                                           : q == 1 ? _mm256_slli_epi16(qh, 2)
+                                           : q == 2 ? qh
+                                                    : _mm256_srli_epi16(qh, 2);
+                        u[e] = _mm256_or_si256(lo, _mm256_and_si256(hb, hi2));
+                    }
+                    for (int i = 0; i < m; ++i) {
+                        const int8_t *a = qa + i * k + b * 256 + 32 * j + 8 * gg;
+                        const __m256i s16 = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(act4(a))),
+                            _mm256_maddubs_epi16(u[1], _mm256_set1_epi32(act4(a + 4))));
+                        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(s16, sc));
+                        KEEP_IN_REG(dot[i]);
+                    }
                 }
                 for (int i = 0; i < m; ++i)
-                    fix[hh][i] = _mm256_fmadd_ps(corr[i], d[hh], fix[hh][i]);
-            }
-            for (int f = 0; f < 2; ++f) {
-                /* d * s_j of the half's four blocks of 32, j = 8b + 4f + g' */
-                __m256 ds[2][4][MAXM];
-                for (int hh = 0; hh < hp; ++hh)
-                    for (int q = 0; q < 4; ++q)
-                        for (int i = 0; i < m; ++i)
-                            ds[hh][q][i] = _mm256_mul_ps(
-                                d[hh], _mm256_set1_ps(sa[i * nb + b * 8 + 4 * f + q]));
-                for (int G = 0; G < 8; G += 2) { /* two lines: each block's 16 values */
-                    __m256i s16[2][4][MAXM]; /* [half][block g'][activation row] */
-                    for (int hh = 0; hh < hp; ++hh)
-                        for (int q = 0; q < 4; ++q)
-                            for (int i = 0; i < m; ++i) s16[hh][q][i] = _mm256_setzero_si256();
-                    for (int g = G; g < G + 2; ++g) {
-                        __m256i av[4][MAXM];
-                        for (int i = 0; i < m; ++i)
-                            for (int q = 0; q < 4; ++q)
-                                av[q][i] = _mm256_set1_epi32(
-                                    act4(qa + i * k + b * 256 + 128 * f + 32 * q + 4 * g));
-                        for (int hh = 0; hh < hp; ++hh) {
-                            const int h = h0 + hh;
-                            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(
-                                t + Q6T_QL + 64 * (16 * f + g) + 32 * h));
-                            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(
-                                t + Q6T_QL + 64 * (16 * f + 8 + g) + 32 * h));
-                            const __m256i qh = _mm256_loadu_si256((const __m256i *)(
-                                t + Q6T_QH + 64 * (8 * f + g) + 32 * h));
-                            /* Block g' takes bits 2g'..2g'+1 of qh as its bits 4-5. */
-                            const __m256i u[4] = {
-                                _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                                _mm256_and_si256(_mm256_slli_epi16(qh, 4), hi2)),
-                                _mm256_or_si256(_mm256_and_si256(l1, low4),
-                                                _mm256_and_si256(_mm256_slli_epi16(qh, 2), hi2)),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                                _mm256_and_si256(qh, hi2)),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), hi2))};
-                            /* Two lines per int16 sum: 2 * 2 * 63 * 127 < 32767. */
-                            for (int q = 0; q < 4; ++q)
-                                for (int i = 0; i < m; ++i)
-                                    s16[hh][q][i] = _mm256_add_epi16(
-                                        s16[hh][q][i], _mm256_maddubs_epi16(u[q], av[q][i]));
-                        }
-                    }
-                    for (int hh = 0; hh < hp; ++hh)
-                        for (int q = 0; q < 4; ++q) {
-                            const __m256i sc = scp[hh][8 * f + 2 * q + G / 4];
-                            for (int i = 0; i < m; ++i)
-                                acc[hh][i] = _mm256_fmadd_ps(
-                                    _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[hh][q][i], sc)),
-                                    ds[hh][q][i], acc[hh][i]);
-                        }
-                }
+                    acc[i] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(dot[i]),
+                        _mm256_mul_ps(d, _mm256_set1_ps(sa[i * nb + b * 8 + j])), acc[i]);
             }
         }
-        for (int hh = 0; hh < hp; ++hh)
-            for (int i = 0; i < m; ++i)
-                _mm256_storeu_ps(out[i] + 8 * (h0 + hh),
-                                 _mm256_fnmadd_ps(fix[hh][i], _mm256_set1_ps(32.f), acc[hh][i]));
+        for (int i = 0; i < m; ++i)
+            _mm256_storeu_ps(out[i] + 8 * h,
+                             _mm256_fnmadd_ps(fix[i], _mm256_set1_ps(32.f), acc[i]));
     }
 }
 #else
