@@ -17,8 +17,11 @@ import pytest
 
 from forerun.engine.processor import Processor
 from forerun.sampling_params import SamplingParams
-from tests.server_harness import start_server
-from tests.test_server_logprobs import FORCED_ARGS
+from tests.server_harness import DEFAULT
+from tests.test_server_logprobs import FORCED
+
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (DEFAULT, FORCED)
 
 VOCAB = 1000
 
@@ -54,7 +57,7 @@ def test_processor_refuses_a_bad_limit() -> None:
                                          ("/v1/chat/completions", "top_logprobs"),
                                          ("/v1/completions", "prompt_logprobs")])
 def test_default_server_refuses_above_20(path: str, field: str) -> None:
-    server = start_server()
+    server = DEFAULT.start()
     server.wait_healthy()
     body: dict[str, Any] = {"max_tokens": 1, field: 21}
     body.update({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
@@ -69,7 +72,7 @@ def test_default_server_refuses_above_20(path: str, field: str) -> None:
 def test_whole_vocabulary_with_max_logprobs_minus_one(hf_smollm2: tuple[Any, Any]) -> None:
     import torch
 
-    server = start_server(*FORCED_ARGS)
+    server = FORCED.start()
     server.wait_healthy()
     model, tok = hf_smollm2
     messages = [{"role": "user", "content": "Name a colour."}]

@@ -16,11 +16,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forerun import SamplingParams
-from tests.server_harness import MODEL, ServerHandle, start_server
+from tests.server_harness import DEFAULT, MODEL, ServerArgs, ServerHandle
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-forerun-test"
+KEYED = ServerArgs(("--api-key", API_KEY, "--max-model-len", "512"))
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (DEFAULT, KEYED)
 PROMPT = "Hello, my name is"
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the capital of France?"}]
@@ -29,8 +32,8 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 @pytest.fixture(scope="module")
 def env(llm_cache: Any) -> dict[str, Any]:
     # Boot both servers while the offline reference engine runs in this process.
-    main = start_server()
-    keyed = start_server("--api-key", API_KEY, "--max-model-len", "512")
+    main = DEFAULT.start()
+    keyed = KEYED.start()
     llm = llm_cache()
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     ref_completion = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0]

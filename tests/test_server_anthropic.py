@@ -19,11 +19,14 @@ import jsonschema
 import pytest
 
 from forerun import SamplingParams
-from tests.server_harness import MODEL, ServerHandle, start_server
+from tests.server_harness import DEFAULT, MODEL, ServerArgs, ServerHandle
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-forerun-test"  # test_server.py's keyed server
+KEYED = ServerArgs(("--api-key", API_KEY, "--max-model-len", "512"))
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (DEFAULT, KEYED)
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0.0}
@@ -37,8 +40,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"},
 
 @pytest.fixture(scope="module")
 def servers() -> dict[str, ServerHandle]:
-    main = start_server()  # the session's shared default server
-    keyed = start_server("--api-key", API_KEY, "--max-model-len", "512")
+    main = DEFAULT.start()  # the session's shared default server
+    keyed = KEYED.start()
     main.wait_healthy()
     return {"main": main, "keyed": keyed}
 

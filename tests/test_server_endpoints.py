@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forerun import SamplingParams, StructuredOutputsParams
-from tests.server_harness import ServerHandle, start_server
+from tests.server_harness import ServerArgs, ServerHandle
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +35,19 @@ SOCK = os.path.join(tempfile.gettempdir(), f"forerun-endpoints-{os.getpid()}.soc
 # Long enough that the stream is still running when the test looks (a token takes ~5 ms).
 LONG = 1900
 CHAT = [{"role": "user", "content": "Name a colour."}]
+ENDPOINTS_SERVER = ServerArgs(
+    ("--uds", SOCK, "--root-path", ROOT, "--served-model-name", *NAMES,
+     "--enable-request-id-headers", "--enable-server-load-tracking",
+     "--enable-tokenizer-info-endpoint",
+     "--structured-outputs-config", '{"disable_any_whitespace": false}'),
+    (("FORERUN_API_KEY", KEY),))
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (ENDPOINTS_SERVER,)
 
 
 @pytest.fixture(scope="module")
 def server() -> ServerHandle:
-    handle = start_server("--uds", SOCK, "--root-path", ROOT, "--served-model-name", *NAMES,
-                          "--enable-request-id-headers", "--enable-server-load-tracking",
-                          "--enable-tokenizer-info-endpoint",
-                          "--structured-outputs-config", '{"disable_any_whitespace": false}',
-                          env={"FORERUN_API_KEY": KEY})
+    handle = ENDPOINTS_SERVER.start()
     deadline = time.monotonic() + 240
     while True:
         if handle.proc.poll() is not None:

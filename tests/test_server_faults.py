@@ -2,8 +2,8 @@
 
 A "limits" server (tiny queue, short timeouts, a small body limit, the API key from the
 environment) takes the admission, timeout, disconnect, HTTP-edge and frozen-engine
-cases; three more are started only to be broken: engine killed, API process killed,
-SIGTERM under load. Every case checks what the client receives, and that nothing is left
+cases, and last its engine is killed; two more are started only to be broken: API
+process killed, SIGTERM under load. Every case checks what the client receives, and that nothing is left
 behind (KV blocks, requests, processes).
 """
 
@@ -24,6 +24,7 @@ import pytest
 
 from tests.server_harness import (
     MODEL,
+    ServerArgs,
     ServerHandle,
     child_pids,
     engine_pid,
@@ -36,17 +37,24 @@ pytestmark = pytest.mark.slow
 
 KEY = "sk-limits"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LIMITS = ("--max-num-seqs", "4", "--max-waiting-requests", "4", "--request-timeout", "12",
+# The request timeout is short (a 1900-token request runs ~10 s idle): the 504 test waits
+# it out.
+TIMEOUT_S = 6
+LIMITS = ("--max-num-seqs", "4", "--max-waiting-requests", "4", "--request-timeout",
+          str(TIMEOUT_S),
           "--engine-heartbeat-timeout", "4", "--max-request-body-bytes", str(4 << 20),
           "--disable-fastapi-docs")
+LIMITS_SERVER = ServerArgs(LIMITS, (("FORERUN_API_KEY", KEY),))
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (LIMITS_SERVER,)
 
 
 @pytest.fixture(scope="module")
 def servers() -> dict[str, ServerHandle]:
-    # Started together: four model loads overlap instead of queueing.
+    # Started together: three model loads overlap instead of queueing. The last test on the
+    # limits server kills its engine (a later start_server with its arguments starts anew).
     handles = {
-        "limits": start_server(*LIMITS, env={"FORERUN_API_KEY": KEY}),
-        "kill": start_server("--max-num-seqs", "8", fresh=True),
+        "limits": LIMITS_SERVER.start(),
         "api_kill": start_server("--max-num-seqs", "8", fresh=True),
         "term": start_server("--shutdown-timeout", "60", fresh=True),
     }
@@ -158,7 +166,7 @@ def test_request_timeout_is_504_and_frees_blocks(limits: ServerHandle) -> None:
     t.join()
     r = result["r"]
     assert r.status_code == 504 and _error(r)["code"] == "request_timeout"
-    assert 12 <= result["s"] < 90
+    assert TIMEOUT_S <= result["s"] < 90
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "request_timeout"
     assert len(events) > 3  # tokens streamed before the timeout
@@ -243,7 +251,7 @@ def test_big_body_does_not_stall_other_calls(limits: ServerHandle) -> None:
     _idle(limits)
 
 
-# ----- the engine frozen, then resumed (last on this server) ------------------------------
+# ----- the engine frozen, then resumed --------------------------------------------------
 def test_frozen_engine_turns_health_503_and_recovers(limits: ServerHandle) -> None:
     core = engine_pid(limits.proc.pid)
     os.kill(core, signal.SIGSTOP)
@@ -269,9 +277,8 @@ def test_frozen_engine_turns_health_503_and_recovers(limits: ServerHandle) -> No
 
 
 # ----- broken on purpose ------------------------------------------------------------------
-def test_engine_killed_fails_requests_and_server_exits_nonzero(
-        servers: dict[str, ServerHandle]) -> None:
-    server = servers["kill"]
+def test_engine_killed_fails_requests_and_server_exits_nonzero(limits: ServerHandle) -> None:
+    server = limits  # the last test on it: the engine dies, then the server
     long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500,
             "ignore_eos": True}
     result: dict[str, Any] = {}
@@ -279,13 +286,13 @@ def test_engine_killed_fails_requests_and_server_exits_nonzero(
     def whole() -> None:
         try:
             result["whole"] = httpx.post(f"{server.base_url}/v1/completions", json=long,
-                                         timeout=120)
+                                         headers=AUTH, timeout=120)
         except httpx.HTTPError as exc:
             result["whole"] = exc
 
     t = threading.Thread(target=whole)
     t.start()
-    with httpx.stream("POST", f"{server.base_url}/v1/completions",
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", headers=AUTH,
                       json={**long, "stream": True}, timeout=120) as s:
         lines = s.iter_lines()
         for line in lines:

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from forerun import SamplingParams
-from tests.server_harness import ServerHandle, start_server
+from tests.server_harness import DEFAULT, ServerArgs, ServerHandle
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +26,15 @@ TOL = 2e-3
 # The second server; test_max_logprobs.py shares it (the whole vocabulary there).
 FORCED_ARGS = ("--enable-force-include-usage", "--no-engine-process", "--max-model-len", "256",
                "--max-logprobs", "-1", "--return-tokens-as-token-ids")  # float32 on both sides; batches differ, so summation order may too
+FORCED = ServerArgs(FORCED_ARGS)
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (DEFAULT, FORCED)
 
 
 @pytest.fixture(scope="module")
 def env(llm_cache: Any) -> dict[str, Any]:
-    main = start_server()
-    forced = start_server(*FORCED_ARGS)
+    main = DEFAULT.start()
+    forced = FORCED.start()
     llm = llm_cache()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
     ref = llm.generate([PROMPT], params, use_tqdm=False)[0]

@@ -17,19 +17,22 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forerun import SamplingParams
-from tests.server_harness import start_server
+from tests.server_harness import ServerArgs
 
 pytestmark = pytest.mark.slow
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+SPEC_SERVER = ServerArgs(("--speculative-config", SPEC, "--max-model-len", "512",
+                          "--no-engine-process"))
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (SPEC_SERVER,)
 PROMPT = ("Repeat the list exactly.\nList: red, green, blue, yellow, orange, purple, pink.\n"
           "Repeat: red, green,")
 
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    handle = start_server("--speculative-config", SPEC, "--max-model-len", "512",
-                          "--no-engine-process")
+    handle = SPEC_SERVER.start()
     handle.wait_healthy()
     return handle
 

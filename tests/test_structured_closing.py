@@ -8,6 +8,7 @@ synchronous engine for the asynchronous one; the ``openai`` client against the s
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -22,7 +23,10 @@ from forerun.server.structured import structured_outputs_of
 from forerun.structured.closing import CLOSING_MARGIN, JsonLexer, walk_completion
 from forerun.structured.manager import StructuredOutputManager
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import MODEL
+from tests.server_harness import DEFAULT, MODEL
+
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (DEFAULT,)
 
 S = StructuredOutputsParams
 CHECKER = jsonschema.FormatChecker()
@@ -65,8 +69,18 @@ def _spec(schema: dict[str, Any] | None, **opts: Any) -> S:
     return S(json_object=True, **opts) if schema is None else S(json=schema, **opts)
 
 
+@functools.cache
+def _validator(schema_json: str) -> Any:
+    """One validator per schema: ``jsonschema.validate`` checks the schema itself on every
+    call, most of its time over the hundreds of prefixes below."""
+    schema = json.loads(schema_json)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, format_checker=CHECKER)
+
+
 def _valid(text: str, schema: dict[str, Any] | None) -> None:
-    jsonschema.validate(json.loads(text), schema or {"type": "object"}, format_checker=CHECKER)
+    _validator(json.dumps(schema or {"type": "object"}, sort_keys=True)).validate(json.loads(text))
 
 
 # ----- the plan: from every prefix of a document, a completion the schema validates -----

@@ -27,11 +27,15 @@ from forerun.server.tool_calls import (
     tool_message,
 )
 from forerun.tool_parsers import Hermes2ProToolParser, ToolParser
-from tests.server_harness import MODEL, ServerHandle, start_server
+from tests.server_harness import DEFAULT, MODEL, ServerArgs, ServerHandle
 
 slow = pytest.mark.slow
 
 TEMPLATE_PATH = Path(__file__).parent / "data" / "tool_chat_template_hermes.jinja"
+TOOLS_SERVER = ServerArgs(("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                           "--chat-template", str(TEMPLATE_PATH)))
+# Started while the module before runs (tests/conftest.py).
+PRESTART = (TOOLS_SERVER, DEFAULT)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "additionalProperties": False,
@@ -183,8 +187,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
 
 @pytest.fixture(scope="module")
 def server() -> ServerHandle:
-    s = start_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                     "--chat-template", str(TEMPLATE_PATH))
+    s = TOOLS_SERVER.start()
     s.wait_healthy()
     return s
 
@@ -295,7 +298,7 @@ def test_tool_choice_errors_are_400s(client: openai.OpenAI) -> None:
 
 @slow
 def test_auto_without_the_server_flags_is_a_400() -> None:
-    plain = start_server()  # the default server (shared with test_server.py)
+    plain = DEFAULT.start()  # the default server (shared with test_server.py)
     plain.wait_healthy()
     c = openai.OpenAI(base_url=f"{plain.base_url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
