@@ -173,30 +173,3 @@ def shared_server_client() -> Any:
     handle.wait_healthy()
     return openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key="unused", max_retries=0)
 
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
-                                  items: list[pytest.Item]) -> None:
-    """Remember each test module's successor in the final run order (for the hook below)."""
-    modules = list(dict.fromkeys(item.module for item in items
-                                 if getattr(item, "module", None) is not None))
-    config.stash[_NEXT_MODULE] = dict(zip(modules, modules[1:], strict=False))
-
-
-_NEXT_MODULE = pytest.StashKey[dict[Any, Any]]()
-_PRESTARTED: set[Any] = set()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    """Once a module's first test is set up (its own servers started), start the servers
-    the next module declares (tests/server_harness.py ``prestart``): their model loads
-    then overlap this module's tests, on the core the test process leaves idle."""
-    yield
-    module = getattr(item, "module", None)
-    nxt = item.config.stash.get(_NEXT_MODULE, {}).get(module)
-    if nxt is not None and nxt not in _PRESTARTED:
-        _PRESTARTED.add(nxt)
-        from tests.server_harness import prestart
-
-        prestart(nxt)

@@ -102,8 +102,8 @@ def start_server(*extra: str, env: dict[str, str] | None = None,
 
 @dataclass(frozen=True, slots=True)
 class ServerArgs:
-    """One cached server's arguments, declared once: a test module lists the ones it uses
-    in ``PRESTART`` and its fixtures start them with :meth:`start`."""
+    """One cached server's arguments, declared once and started with :meth:`start` by every
+    fixture that uses it."""
 
     extra: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
@@ -113,15 +113,6 @@ class ServerArgs:
 
 
 DEFAULT = ServerArgs()  # the session's shared default server
-
-
-def prestart(module: object) -> None:
-    """Start the servers ``module`` declares in ``PRESTART`` (without waiting for them).
-
-    tests/conftest.py calls this for the next module while the current one runs: a model
-    load then overlaps the running tests instead of stalling the module's first test."""
-    for args in getattr(module, "PRESTART", ()):
-        args.start()
 
 
 def engine_pid(server_pid: int) -> int:

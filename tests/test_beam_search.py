@@ -17,10 +17,7 @@ import torch
 
 from forerun.beam_search import BeamSearchParams
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import DEFAULT, MODEL, start_server
-
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
+from tests.server_harness import MODEL, start_server
 
 PROMPTS = ["The capital of France is", "Once upon a time, a small robot"]
 

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_harness import DEFAULT, MODEL, start_server
+from tests.server_harness import MODEL, start_server
 
 pytestmark = pytest.mark.slow
 
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
 
 FIELDS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
           "total_input_tokens", "total_output_tokens",

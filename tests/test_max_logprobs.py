@@ -20,9 +20,6 @@ from forerun.sampling_params import SamplingParams
 from tests.server_harness import DEFAULT
 from tests.test_server_logprobs import FORCED
 
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT, FORCED)
-
 VOCAB = 1000
 
 

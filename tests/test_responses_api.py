@@ -19,12 +19,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.server_harness import DEFAULT, MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
 
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},

@@ -22,8 +22,6 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "sk-forerun-test"
 KEYED = ServerArgs(("--api-key", API_KEY, "--max-model-len", "512"))
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT, KEYED)
 PROMPT = "Hello, my name is"
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the capital of France?"}]

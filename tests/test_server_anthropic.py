@@ -25,8 +25,6 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "sk-forerun-test"  # test_server.py's keyed server
 KEYED = ServerArgs(("--api-key", API_KEY, "--max-model-len", "512"))
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT, KEYED)
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0.0}

@@ -11,13 +11,11 @@ import openai
 import pytest
 import torch
 
-from tests.server_harness import DEFAULT, MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 from tests.test_server_validation import assert_all_blocks_free
 
 pytestmark = pytest.mark.slow
 
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
 
 TEXTS = ["The capital of France is Paris.", "Paris is in France.", "Bananas are yellow."]
 

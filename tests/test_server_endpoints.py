@@ -41,8 +41,6 @@ ENDPOINTS_SERVER = ServerArgs(
      "--enable-tokenizer-info-endpoint",
      "--structured-outputs-config", '{"disable_any_whitespace": false}'),
     (("FORERUN_API_KEY", KEY),))
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (ENDPOINTS_SERVER,)
 
 
 @pytest.fixture(scope="module")

@@ -45,8 +45,6 @@ LIMITS = ("--max-num-seqs", "4", "--max-waiting-requests", "4", "--request-timeo
           "--engine-heartbeat-timeout", "4", "--max-request-body-bytes", str(4 << 20),
           "--disable-fastapi-docs")
 LIMITS_SERVER = ServerArgs(LIMITS, (("FORERUN_API_KEY", KEY),))
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (LIMITS_SERVER,)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,6 @@ TOL = 2e-3
 FORCED_ARGS = ("--enable-force-include-usage", "--no-engine-process", "--max-model-len", "256",
                "--max-logprobs", "-1", "--return-tokens-as-token-ids")  # float32 on both sides; batches differ, so summation order may too
 FORCED = ServerArgs(FORCED_ARGS)
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT, FORCED)
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,11 @@ import ollama
 import pytest
 
 from forerun import SamplingParams
-from tests.server_harness import DEFAULT, MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 from tests.test_server_validation import assert_all_blocks_free
 
 pytestmark = pytest.mark.slow
 
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Hello, my name is"

@@ -24,8 +24,6 @@ pytestmark = pytest.mark.slow
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 SPEC_SERVER = ServerArgs(("--speculative-config", SPEC, "--max-model-len", "512",
                           "--no-engine-process"))
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (SPEC_SERVER,)
 PROMPT = ("Repeat the list exactly.\nList: red, green, blue, yellow, orange, purple, pink.\n"
           "Repeat: red, green,")
 

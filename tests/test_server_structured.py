@@ -10,12 +10,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_harness import DEFAULT, MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
 
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
 
 SCHEMA = {
     "type": "object",

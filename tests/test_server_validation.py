@@ -17,12 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import DEFAULT, MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 
 pytestmark = pytest.mark.slow
 
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
 
 CHAT = [{"role": "user", "content": "Say hi."}]
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -23,10 +23,7 @@ from forerun.server.structured import structured_outputs_of
 from forerun.structured.closing import CLOSING_MARGIN, JsonLexer, walk_completion
 from forerun.structured.manager import StructuredOutputManager
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import DEFAULT, MODEL
-
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
+from tests.server_harness import MODEL
 
 S = StructuredOutputsParams
 CHECKER = jsonschema.FormatChecker()

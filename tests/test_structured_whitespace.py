@@ -14,10 +14,7 @@ import xgrammar as xgr
 from forerun import SamplingParams, StructuredOutputsParams
 from forerun.server.structured import structured_outputs_of
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import DEFAULT, MODEL
-
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
+from tests.server_harness import MODEL
 
 S = StructuredOutputsParams
 

@@ -34,8 +34,6 @@ slow = pytest.mark.slow
 TEMPLATE_PATH = Path(__file__).parent / "data" / "tool_chat_template_hermes.jinja"
 TOOLS_SERVER = ServerArgs(("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                            "--chat-template", str(TEMPLATE_PATH)))
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (TOOLS_SERVER, DEFAULT)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "additionalProperties": False,

@@ -28,11 +28,8 @@ from forerun.server.api import build_app
 from forerun.server.cli_serve import add_serve_parser, server_config_from_args
 from forerun.server.config import ServerConfig
 from forerun.trace import ENGINE_LANE, WORKER_LANE
-from tests.server_harness import DEFAULT, MODEL, ServerHandle, start_server
+from tests.server_harness import MODEL, ServerHandle, start_server
 from tests.test_server import wait_idle
-
-# Started while the module before runs (tests/conftest.py).
-PRESTART = (DEFAULT,)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
