@@ -230,6 +230,8 @@ def _non_default(name: str, hint: Any, default: Any) -> Any:
             candidates.append({3, 9})
         elif origin is dict and inner == (int, float):
             candidates.append({3: 0.5, 7: -1.5})
+        elif origin is dict and inner == (str, typing.Any):
+            candidates.append({"kv_transfer_params": {"do_remote_decode": True}})
         elif t is StructuredOutputsParams:
             candidates.append(StructuredOutputsParams(regex="[a-z]+"))
     for value in candidates:
