@@ -19,20 +19,16 @@
 
 enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q6_K = 14, QT_IQ4_XS = 23 }; /* ggml's type ids */
 /* From this many activation rows on, Q6_K parts (held as rows) are regrouped into tiles for
- * the call; a part of 64 Mi values or more (an output head: 49152 x 2048) from twice as
- * many, its regrouping being a copy through DRAM. With the row body taking a super-block by
- * halves (kquant_matmul.c), one core, tiles / rows: 2048 x 8192 0.9x at 32 rows, 1.0x at 48,
- * 1.05x at 64, 1.2x at 512; 49152 x 2048 0.6x at 32, 0.7x at 48, 1.1x at 128, 1.25x at 512. */
-#define Q6K_TILE_ROWS 64
-#define Q6K_TILE_ROWS_LARGE 128
-#define Q6K_LARGE_VALUES ((int64_t)1 << 26)
+ * the call (2048 x 8192 on 2 cores, regrouping included: 0.5x the rows' speed at 4 rows,
+ * 0.8x at 16, 1.1x at 32, 1.5x at 64). */
+#define Q6K_TILE_ROWS 32
 
-/* Whether kquant_matmul.c takes a part of this type and size (rows x k, as the file's rows)
- * in a matmul of m rows: Q2_K, Q3_K, IQ4_XS always, Q6_K for few rows. The rest (Q4_0, Q4_1,
- * Q8_0, MXFP4, Q4_K, Q5_K, and Q6_K for many rows, in tiles) are quant_matmul.c's. */
-static int is_kquant(int64_t type, int64_t rows, int64_t k, int64_t m) {
-    if (type != QT_Q6_K) return type == QT_Q2_K || type == QT_Q3_K || type == QT_IQ4_XS;
-    return m < (rows * k >= Q6K_LARGE_VALUES ? Q6K_TILE_ROWS_LARGE : Q6K_TILE_ROWS);
+/* Whether kquant_matmul.c takes a part of this type (as the file's rows) in a matmul of m
+ * rows: Q2_K, Q3_K, IQ4_XS always, Q6_K for few rows. The rest (Q4_0, Q4_1, Q8_0, MXFP4, Q4_K,
+ * Q5_K, and Q6_K for many rows, in tiles) are quant_matmul.c's. */
+static int is_kquant(int64_t type, int64_t m) {
+    return type == QT_Q2_K || type == QT_Q3_K || type == QT_IQ4_XS ||
+           (type == QT_Q6_K && m < Q6K_TILE_ROWS);
 }
 
 /* y [m, n] (float32, row stride n) = xf [m, k] @ W.T, run by run. */
@@ -46,10 +42,10 @@ static int gguf_matmul_core(const float *xf, const qweight_t *w, float *y, int64
     int rc = 0;
     uint8_t *scratch[QW_MAXPARTS] = {0}; /* Q6_K parts regrouped for this call */
     for (int64_t p = 0; p < w->nparts && rc == 0;) {
-        const int kq = is_kquant(w->type[p], w->rows[p], k, m);
+        const int kq = is_kquant(w->type[p], m);
         qweight_t run = {0};
         int64_t rows = 0;
-        for (; p < w->nparts && is_kquant(w->type[p], w->rows[p], k, m) == kq; ++p) {
+        for (; p < w->nparts && is_kquant(w->type[p], m) == kq; ++p) {
             const uint8_t *data = w->data[p];
             if (!kq && w->type[p] == QT_Q6_K) {
                 scratch[p] = malloc((size_t)q6k_tile_bytes(w->rows[p], k));
