@@ -31,7 +31,7 @@ from forerun.model.loader import ModelLoadError, load_model, load_model_config, 
 from forerun.model.quant.gguf_linear import GGUFLinear
 from tests.conftest import assert_all_blocks_free
 from tests.paged_driver import PagedDriver
-from tests.tiny_model import write_word_tokenizer
+from tests.tiny_model import hf_greedy, write_word_tokenizer
 
 CPU = torch.device("cpu")
 VOCAB, EOS, WINDOW = 320, 2, 6
@@ -48,14 +48,6 @@ def _config() -> GptOssConfig:
         num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=131072,
         sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
         eos_token_id=EOS, bos_token_id=1, pad_token_id=0, architectures=["GptOssForCausalLM"])
-
-
-def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +106,7 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(tiny, path: str) ->
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         tokens = PagedDriver(ours, seed=3).greedy("a", PROMPT, 12)
-    assert tokens == _hf_greedy(hf, PROMPT, 12)
+    assert tokens == hf_greedy(hf, PROMPT, 12)
 
 
 def test_openai_mxfp4_checkpoint_tensors_dequantize_as_transformers_does() -> None:
@@ -268,7 +260,7 @@ def test_a_gguf_with_float_experts_loads_the_same_model(tiny, tmp_path: Path) ->
         got = PagedDriver(ours).step([("a", PROMPT)])[0]
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-        assert PagedDriver(ours).greedy("a", PROMPT, 8) == _hf_greedy(hf, PROMPT, 8)
+        assert PagedDriver(ours).greedy("a", PROMPT, 8) == hf_greedy(hf, PROMPT, 8)
 
 
 @pytest.mark.usefixtures("private_model_cache")
@@ -291,7 +283,7 @@ def test_a_gguf_with_mxfp4_experts_matches_transformers_on_its_values(
         ref = hf_mx(torch.tensor([PROMPT])).logits[0].float()
         want = PagedDriver(exact).step([("a", PROMPT)])[0]
         torch.testing.assert_close(want, ref, atol=1e-4, rtol=1e-4)
-        assert PagedDriver(exact).greedy("a", PROMPT, 8) == _hf_greedy(hf_mx, PROMPT, 8)
+        assert PagedDriver(exact).greedy("a", PROMPT, 8) == hf_greedy(hf_mx, PROMPT, 8)
         got = PagedDriver(quant).step([("a", PROMPT)])[0]
     err = (got - want).abs().max() / want.abs().max()
     assert err < 0.05, f"max logit error {err:.4f} of the largest logit"
@@ -347,7 +339,7 @@ def test_async_and_sync_engines_give_identical_tokens_and_transformers_greedy(ti
         finally:
             llm.shutdown()
     assert outs["on"] == outs["off"]
-    assert outs["on"][0] == _hf_greedy(hf, PROMPT, 10)
+    assert outs["on"][0] == hf_greedy(hf, PROMPT, 10)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "experts"])

@@ -22,7 +22,7 @@ from forerun.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from forerun.core.kv_cache_spec import kv_bytes_per_block
 from forerun.model import cpu_kernels
 from tests.conftest import assert_all_blocks_free
-from tests.tiny_model import write_word_tokenizer
+from tests.tiny_model import hf_greedy, write_word_tokenizer
 
 WINDOW, BLOCK = 8, 4
 COMMON: dict[str, Any] = dict(
@@ -56,14 +56,6 @@ def _write(folder: Path, config: Any, seed: int = 5) -> torch.nn.Module:
     hf.save_pretrained(folder)
     write_word_tokenizer(folder, config.vocab_size, eos=2)
     return hf
-
-
-def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -113,7 +105,7 @@ def test_hybrid_engine_matches_transformers_chunked_preempted_and_prefix_cached(
     real_stack = cpu_kernels.decoder_stack
     monkeypatch.setattr(cpu_kernels, "decoder_stack",
                         lambda dtype: stack_calls.append(dtype) or real_stack(dtype))
-    want = [_hf_greedy(hf, p, 16) for p in PROMPTS]
+    want = [hf_greedy(hf, p, 16) for p in PROMPTS]
     got = _engine_tokens(folder)
     assert got["off"] == got["on"] == want + want[:1] * 2
     takes_stack = hf.config.model_type == "qwen2" and cpu_kernels.kernel_library() is not None
@@ -126,7 +118,7 @@ def test_hybrid_engine_on_the_torch_path_matches_transformers(
     gathers from its own table, never a null entry."""
     monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
     hf = _write(tmp_path, MODELS["gemma3"]())
-    want = [_hf_greedy(hf, p, 16) for p in PROMPTS]
+    want = [hf_greedy(hf, p, 16) for p in PROMPTS]
     got = _engine_tokens(tmp_path)
     assert got["off"] == got["on"] == want + want[:1] * 2
 

@@ -23,7 +23,7 @@ from forerun.model.quant.gguf_linear import GGUFLinear
 from tests.conftest import assert_all_blocks_free
 from tests.kquant_pack import BLOCK_BYTES, pack_kquant
 from tests.paged_driver import PagedDriver
-from tests.tiny_model import write_word_tokenizer
+from tests.tiny_model import hf_greedy, write_word_tokenizer
 
 CPU = torch.device("cpu")
 COMMON: dict[str, Any] = dict(
@@ -137,14 +137,6 @@ def moe_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     assert calls, "the small-batch path was never taken"
 
 
-def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_moe, moe_path: str) -> None:
     hf, ours, _ = tiny_moe
     with torch.inference_mode():
@@ -152,7 +144,7 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_moe, moe_path:
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         tokens = PagedDriver(ours, seed=7).greedy("a", PROMPT, 16)
-    assert tokens == _hf_greedy(hf, PROMPT, 16)
+    assert tokens == hf_greedy(hf, PROMPT, 16)
 
 
 ENGINE_CONFIGS: dict[str, dict[str, Any]] = {

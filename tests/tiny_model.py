@@ -44,3 +44,13 @@ def write_word_tokenizer(folder: Path, vocab: int, eos: int) -> None:
     tok_cfg = json.loads(cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(tok_cfg))
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens from a transformers model, recomputing the whole sequence each
+    step (no cache: the oracle stays as plain as it can be)."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
