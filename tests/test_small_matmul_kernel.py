@@ -2,7 +2,7 @@
 
 The kernel accumulates in float32 and rounds once to the storage type, so the bound is the
 float32 summation error for float32 and one bfloat16 rounding of the result for bfloat16.
-Shapes cover every register-blocked row count of x (one to eight, and past eight), output
+Shapes cover every register-blocked row count of x (one to eight, and the many-row tiles past eight), output
 columns past a multiple of the block (four for float32, sixteen for bfloat16's packed
 layout), and float32's k with a tail.
 """
@@ -36,6 +36,22 @@ def test_small_matmul_matches_float64(dtype: torch.dtype, m: int, n: int, k: int
     scale = ref.abs() + 1.0
     bound = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: half an ulp is 2**-9 of |y|
     assert (err / scale).max().item() < bound
+
+
+@pytest.mark.parametrize("m", [9, 12, 13, 25, 64, 128])
+@pytest.mark.parametrize(("n", "k"), [(64, 1536), (48, 600), (67, 96)])
+def test_many_row_bfloat16_tiles_match_float64(m: int, n: int, k: int) -> None:
+    # Past eight rows bfloat16 runs register tiles of 12 rows x two column blocks over chunks
+    # of k (csrc/small_matmul.c): row counts of whole and partial tiles, an odd block out and
+    # a padded last block, k in several chunks with a partial one.
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    got = cpu_kernels.small_matmul(x, cpu_kernels.pack_small_matmul_weight(w), b)
+    ref = x.double() @ w.double().T + b.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert ((got.double() - ref).abs() / (ref.abs() + 1.0)).max().item() < 8e-3
 
 
 def test_small_matmul_keeps_leading_dimensions() -> None:

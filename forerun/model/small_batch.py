@@ -9,8 +9,9 @@ op-by-op path; only the matmul kernel differs (``csrc/small_matmul.c``).
 
 Used on CPU, in float32 and bfloat16, for steps of at most :meth:`SmallBatchStack.max_tokens`
 tokens, when the C kernels are built; otherwise the model runs its layers one op at a time.
-That is 8 tokens, or 128 in bfloat16 where the small matmul runs on AMX tiles: there it
-reads each weight from memory once for any batch (past 32 rows again from cache), where
+That is 8 tokens, or 128 in bfloat16 where the small matmul has its AVX512-BF16 body
+(register tiles of 12 rows x 32 columns past 8 rows; AMX tiles where the CPU has them): there
+it reads each weight from memory once for any batch (again from cache past a tile), where
 oneDNN's matmuls of a decode step of 32 sequences read SmolLM2's layer weights about 1.4x
 slower (13.4 against 9.6 ms for all 30 layers on a 2-core CPU), and the one call also saves
 the op-by-op path's per-op overhead (decode step of 32 sequences 41 -> 26 ms, of 128
@@ -197,16 +198,17 @@ class SmallBatchStack:
 
     def max_tokens(self, dtype: torch.dtype) -> int:
         """The largest step this path takes: ``FORERUN_SMALL_BATCH_TOKENS`` if set; else 128
-        for plain bfloat16 weights where the small matmul has AMX tiles, and 8 otherwise
-        (past 8 rows the other bodies read each weight again per 8 rows)."""
+        for plain bfloat16 weights where the small matmul has its AVX512-BF16 body (register
+        tiles past 8 rows, or AMX tiles), and 8 otherwise (past 8 rows the float32 and
+        quantized bodies read each weight again per few rows)."""
         limit = envs.small_batch_tokens()
         if limit is not None:
             return limit
         default = self._default_tokens.get(dtype)
         if default is None:  # asked every step
-            amx = (dtype == torch.bfloat16 and self.quantized is False
-                   and cpu_kernels.small_matmul_has_amx())
-            default = self._default_tokens[dtype] = 128 if amx else 8
+            tiles = (dtype == torch.bfloat16 and self.quantized is False
+                     and cpu_kernels.small_matmul_is_fast(dtype))
+            default = self._default_tokens[dtype] = 128 if tiles else 8
         return default
 
     def applies(self, x: torch.Tensor) -> bool:

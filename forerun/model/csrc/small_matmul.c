@@ -117,6 +117,79 @@ static void block_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
         i += left >= MAXM ? MAXM : left;
     }
 }
+
+/* ---- many rows without AMX ----------------------------------------------------------------
+ * Past MAXM rows the loop above is bound by its chains and its loads (one broadcast of x per
+ * dot product of one block). A GEMM tile instead holds TR rows x two blocks (32 columns) of
+ * accumulators in registers, 24 of the 32 zmm: each line pair then feeds 2 * TR dot products
+ * for two weight loads and TR broadcasts. The weight is taken in chunks of KC lines, so a
+ * chunk of a block pair (32 KiB) stays in L1 while every row tile passes over it; the
+ * accumulators go to a float buffer between chunks. */
+#define TR 12
+#define KC 256
+
+INLINE void tile_pair(const uint16_t *x, int64_t k, const uint16_t *w0, const uint16_t *w1,
+                      int64_t j0, int64_t j1, float *out, int first, const int mi,
+                      const int two) {
+    __m512 a0[TR], a1[TR];
+    for (int i = 0; i < mi; ++i) {
+        a0[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * 2 * NB);
+        if (two) a1[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * 2 * NB + NB);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + j * 2 * NB);
+        const __m512bh b1 = two ? (__m512bh)_mm512_loadu_si512(w1 + j * 2 * NB) : b0;
+        for (int i = 0; i < mi; ++i) {
+            int32_t pair;
+            memcpy(&pair, x + i * k + 2 * j, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            a0[i] = _mm512_dpbf16_ps(a0[i], xb, b0);
+            if (two) a1[i] = _mm512_dpbf16_ps(a1[i], xb, b1);
+        }
+    }
+    for (int i = 0; i < mi; ++i) {
+        _mm512_storeu_ps(out + i * 2 * NB, a0[i]);
+        if (two) _mm512_storeu_ps(out + i * 2 * NB + NB, a1[i]);
+    }
+}
+
+#define TILE_CASE(r)                                                                          \
+    case r:                                                                                   \
+        if (two) tile_pair(xi, k, w0, w1, j0, j1, oi, first, r, 1);                           \
+        else tile_pair(xi, k, w0, w1, j0, j1, oi, first, r, 0);                               \
+        break;
+
+/* out [m][32] = x [m, k] against the block pair w0, w1 (w1 NULL: one block, out's first 16
+ * columns). */
+static void pair_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w0,
+                      const uint16_t *w1, float *out) {
+    const int two = w1 != NULL;
+    const int64_t kp = k / 2;
+    for (int64_t j0 = 0; j0 < kp; j0 += KC) {
+        const int64_t j1 = j0 + KC < kp ? j0 + KC : kp;
+        const int first = j0 == 0;
+        for (int64_t i = 0; i < m; i += TR) {
+            const uint16_t *xi = x + i * k;
+            float *oi = out + i * 2 * NB;
+            switch (m - i >= TR ? TR : m - i) {
+                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
+                TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
+                default: TILE_CASE(12)
+            }
+        }
+    }
+}
+#define HAS_TILES 1
+/* Rows from which the tiles run (above: the loop above). FORERUN_SMALL_MATMUL_TILE_MIN_M
+ * overrides it, for measuring both bodies on one shape. */
+static int64_t tile_min_m(void) {
+    static int64_t v = -1;
+    if (v < 0) {
+        const char *e = getenv("FORERUN_SMALL_MATMUL_TILE_MIN_M");
+        v = e ? atoll(e) : MAXM;
+    }
+    return v;
+}
 #else
 static void block_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wb, float *out) {
     const int64_t kp = k / 2;
@@ -131,13 +204,19 @@ static void block_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
 }
 #endif
 
-static void store_block(uint16_t *y, const float *out, const uint16_t *bias, int64_t m, int64_t n,
-                        int64_t n0) {
+/* out's rows are ld floats apart. */
+static void store_block_ld(uint16_t *y, const float *out, int64_t ld, const uint16_t *bias,
+                           int64_t m, int64_t n, int64_t n0) {
     const int64_t cols = n0 + NB <= n ? NB : n - n0;
     for (int64_t i = 0; i < m; ++i)
         for (int64_t c = 0; c < cols; ++c)
             y[i * n + n0 + c] =
-                f32_to_bf16(out[i * NB + c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.f));
+                f32_to_bf16(out[i * ld + c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.f));
+}
+
+static void store_block(uint16_t *y, const float *out, const uint16_t *bias, int64_t m, int64_t n,
+                        int64_t n0) {
+    store_block_ld(y, out, NB, bias, m, n, n0);
 }
 
 /* 1 where the bf16 kernel has its AVX512-BF16 body; elsewhere its scalar fallback is slower
@@ -279,6 +358,30 @@ int small_matmul_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_
     if (m >= AMX_MIN_M && small_matmul_amx_bf16(x, w_packed, bias, y, m, n, k) == 0) return 0;
     const int64_t nblocks = (n + NB - 1) / NB;
     int failed = 0;
+#if defined(HAS_TILES)
+    if (m > tile_min_m()) {
+#pragma omp parallel
+        {
+            float *out = aligned_alloc(64, sizeof(float) * (size_t)(m * 2 * NB));
+            if (!out) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < (nblocks + 1) / 2; ++p) {
+                if (!out) continue;
+                const int64_t b = 2 * p;
+                const uint16_t *w0 = w_packed + b * k * NB;
+                const int two = b + 1 < nblocks;
+                pair_bf16(x, m, k, w0, two ? w0 + k * NB : NULL, out);
+                store_block_ld(y, out, 2 * NB, bias, m, n, b * NB);
+                if (two) store_block_ld(y, out + NB, 2 * NB, bias, m, n, b * NB + NB);
+            }
+            free(out);
+        }
+        return failed ? -1 : 0;
+    }
+#endif
 #pragma omp parallel
     {
         float *out = malloc(sizeof(float) * (size_t)(m * NB));
