@@ -51,10 +51,18 @@
  * as a tree, spilling 28 vectors to the stack per pass (Q4_K, 4 activation rows per pass:
  * 10-25% slower at 8 and 512 rows, one core). */
 #define KEEP_IN_REG(v) __asm__("" : "+x"(v))
+#define KEEP_IN_ZMM(v) __asm__("" : "+v"(v)) /* any of the 32 vector registers */
 
 #define QK 32
 #define GR 16       /* rows per tile */
 #define MAXM 4      /* rows of x per pass over a group of weight rows */
+/* The K-quant tiles' 512-bit bodies hold two more rows' sums per pass (their 32 registers),
+ * so a line's unpacked nibbles serve 8 activation rows. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
+#define MAXM_K 8
+#else
+#define MAXM_K MAXM
+#endif
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 
@@ -392,7 +400,83 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 #define KT_QS(q5) ((q5) ? 768 : 256)     /* offset of the quant lines in a tile */
 #define KT_BYTES(q5) ((q5) ? 2816 : 2304) /* bytes of a tile */
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
+/* All 16 rows of a line in one 512-bit vector: each activation row takes two VNNI
+ * instructions per line (sub-blocks 2tp and 2tp + 1) where the 256-bit body below takes four
+ * over two passes, and the nibbles are unpacked once per line for both halves. */
+static inline __attribute__((always_inline)) void group_kt_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
+    int64_t k, const int m, const int q5, float out[MAXM_K][GR]) {
+    const int64_t nb = k / QK, tb = KT_BYTES(q5);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit = _mm512_set1_epi8(1);
+    const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
+    __m512 acc[MAXM_K];
+    for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * tb;
+        for (int64_t o = 0; o < tb; o += 64)
+            _mm_prefetch((const char *)(t + tb + o), _MM_HINT_T0);
+        __m128i c[12];
+        for (int j = 0; j < 12; ++j) c[j] = _mm_loadu_si128((const __m128i *)(t + 64 + 16 * j));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)));
+        for (int tp = 0; tp < 4; ++tp) { /* sub-blocks 2tp (low nibbles), 2tp + 1 (high) */
+            __m128i scb[2], mnb[2];
+            for (int e = 0; e < 2; ++e) {
+                const int j = 2 * tp + e;
+                if (j < 4) {
+                    scb[e] = _mm_and_si128(c[j], six);
+                    mnb[e] = _mm_and_si128(c[j + 4], six);
+                } else {
+                    scb[e] = _mm_or_si128(
+                        _mm_and_si128(c[j + 4], lo4),
+                        _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j - 4], 6), two), 4));
+                    mnb[e] = _mm_or_si128(
+                        _mm_and_si128(_mm_srli_epi16(c[j + 4], 4), lo4),
+                        _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
+                }
+            }
+            __m512i sum[2][MAXM_K];
+            for (int i = 0; i < m; ++i) sum[0][i] = sum[1][i] = _mm512_setzero_si512();
+            for (int g = 0; g < 8; ++g) {
+                const __m512i l =
+                    _mm512_loadu_si512((const void *)(t + KT_QS(q5) + 64 * (8 * tp + g)));
+                __m512i u0 = _mm512_and_si512(l, low4);
+                __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), low4);
+                if (q5) { /* bits 2tp and 2tp + 1 of qh: the fifth bits */
+                    const __m512i qh = _mm512_loadu_si512((const void *)(t + 256 + 64 * g));
+                    u0 = _mm512_or_si512(u0, _mm512_slli_epi16(_mm512_and_si512(
+                        _mm512_srli_epi16(qh, 2 * tp), bit), 4));
+                    u1 = _mm512_or_si512(u1, _mm512_slli_epi16(_mm512_and_si512(
+                        _mm512_srli_epi16(qh, 2 * tp + 1), bit), 4));
+                }
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 64 * tp + 4 * g;
+                    sum[0][i] = _mm512_dpbusd_epi32(sum[0][i], u0, _mm512_set1_epi32(act4(a)));
+                    sum[1][i] =
+                        _mm512_dpbusd_epi32(sum[1][i], u1, _mm512_set1_epi32(act4(a + 32)));
+                    KEEP_IN_ZMM(sum[0][i]);
+                    KEEP_IN_ZMM(sum[1][i]);
+                }
+            }
+            for (int e = 0; e < 2; ++e) {
+                const int64_t j = b * 8 + 2 * tp + e; /* activation block */
+                const __m512 dsc =
+                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb[e])));
+                const __m512 dmn =
+                    _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnb[e])));
+                for (int i = 0; i < m; ++i) {
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[e][i]),
+                                             _mm512_mul_ps(dsc, _mm512_set1_ps(sa[i * nb + j])),
+                                             acc[i]);
+                    acc[i] = _mm512_fnmadd_ps(dmn, _mm512_set1_ps(ssa[i * nb + j]), acc[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define Q4K_VNNI(acc, u, a) _mm256_dpbusd_epi32(acc, u, a)
 #elif defined(__AVXVNNI__)
@@ -576,7 +660,15 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
     case 1: KT_CASE(1); return;
     case 2: KT_CASE(2); return;
     case 3: KT_CASE(3); return;
+#if MAXM_K > 4
+    case 4: KT_CASE(4); return;
+    case 5: KT_CASE(5); return;
+    case 6: KT_CASE(6); return;
+    case 7: KT_CASE(7); return;
+    default: KT_CASE(8); return;
+#else
     default: KT_CASE(4); return;
+#endif
     }
 #undef KT_CASE
 }
@@ -597,7 +689,77 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
 #define Q6T_QL 288
 #define Q6T_QH 2336
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
+/* All 16 rows of a line in one 512-bit vector, against m activation rows: per 16 values
+ * (four lines, one scale) each row's four VNNI byte dot products are summed in int32 and
+ * weighted by the scale in one integer multiply; per block of 32 one float FMA (d s_j). The
+ * offset 32 is taken back from the activations' sums per 16, as in the 256-bit body below. */
+static inline __attribute__((always_inline)) void group_q6k_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
+    int64_t k, const int m, float out[MAXM_K][GR]) {
+    const int64_t nb = k / QK;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), hi2 = _mm512_set1_epi8(0x30);
+    __m512 acc[MAXM_K], fix[MAXM_K];
+    for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * Q6T_BYTES;
+        for (int64_t o = 0; o < Q6T_BYTES; o += 64)
+            _mm_prefetch((const char *)(t + Q6T_BYTES + o), _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+        __m512i sc[16];
+        for (int c = 0; c < 16; ++c)
+            sc[c] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * c)));
+        __m512 corr[MAXM_K];
+        for (int i = 0; i < m; ++i) corr[i] = _mm512_setzero_ps();
+        for (int c = 0; c < 16; ++c) {
+            const __m512 scf = _mm512_cvtepi32_ps(sc[c]);
+            for (int i = 0; i < m; ++i)
+                corr[i] = _mm512_fmadd_ps(scf, _mm512_set1_ps(ss16[2 * i * nb + 16 * b + c]),
+                                          corr[i]);
+        }
+        for (int i = 0; i < m; ++i) fix[i] = _mm512_fmadd_ps(corr[i], d, fix[i]);
+        for (int j = 0; j < 8; ++j) { /* block of 32: half f, block q of the half */
+            const int f = j / 4, q = j % 4;
+            __m512i dot[MAXM_K];
+            for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
+            for (int hs = 0; hs < 2; ++hs) { /* 16 values: lines 4hs..4hs+3, one scale */
+                __m512i u[4];
+                for (int e = 0; e < 4; ++e) {
+                    const int g = 4 * hs + e;
+                    const __m512i l = _mm512_loadu_si512(
+                        (const void *)(t + Q6T_QL + 64 * (16 * f + 8 * (q % 2) + g)));
+                    const __m512i qh =
+                        _mm512_loadu_si512((const void *)(t + Q6T_QH + 64 * (8 * f + g)));
+                    const __m512i lo = q / 2 ? _mm512_and_si512(_mm512_srli_epi16(l, 4), low4)
+                                             : _mm512_and_si512(l, low4);
+                    const __m512i hb = q == 0   ? _mm512_slli_epi16(qh, 4)
+                                       : q == 1 ? _mm512_slli_epi16(qh, 2)
+                                       : q == 2 ? qh
+                                                : _mm512_srli_epi16(qh, 2);
+                    u[e] = _mm512_or_si512(lo, _mm512_and_si512(hb, hi2));
+                }
+                const __m512i s = sc[2 * j + hs];
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * hs;
+                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0],
+                                                    _mm512_set1_epi32(act4(a)));
+                    p = _mm512_dpbusd_epi32(p, u[1], _mm512_set1_epi32(act4(a + 4)));
+                    p = _mm512_dpbusd_epi32(p, u[2], _mm512_set1_epi32(act4(a + 8)));
+                    p = _mm512_dpbusd_epi32(p, u[3], _mm512_set1_epi32(act4(a + 12)));
+                    dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, s));
+                    KEEP_IN_ZMM(dot[i]);
+                }
+            }
+            for (int i = 0; i < m; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                         _mm512_mul_ps(d, _mm512_set1_ps(sa[i * nb + b * 8 + j])),
+                                         acc[i]);
+        }
+    }
+    for (int i = 0; i < m; ++i)
+        _mm512_storeu_ps(out[i], _mm512_fnmadd_ps(fix[i], _mm512_set1_ps(32.f), acc[i]));
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 /* The int8 scale bytes of rows 8h..8h+7 as int32 lanes (for the float correction); pair16
  * makes each lane the int16 pair (s, s) that madd takes. */
 static inline __m256i q6_scales(const uint8_t *line, int h) {
@@ -751,7 +913,15 @@ static void group_q6k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const
     case 1: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 1, out); return;
     case 2: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 2, out); return;
     case 3: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 3, out); return;
+#if MAXM_K > 4
+    case 4: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 4, out); return;
+    case 5: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 5, out); return;
+    case 6: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 6, out); return;
+    case 7: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 7, out); return;
+    default: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 8, out); return;
+#else
     default: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 4, out); return;
+#endif
     }
 }
 
@@ -804,9 +974,11 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
                 const int64_t r0 = gl * GR;
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
                 float *yc = y + first_row[p] + r0;
-                for (int64_t i = i0; i < i0 + mc; i += MAXM) {
-                    const int64_t mi = i + MAXM <= i0 + mc ? MAXM : i0 + mc - i;
-                    float out[MAXM][GR];
+                const int64_t step = type == QT_Q6_K || type == QT_Q4_K || type == QT_Q5_K
+                                         ? MAXM_K : MAXM;
+                for (int64_t i = i0; i < i0 + mc; i += step) {
+                    const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
+                    float out[MAXM_K][GR];
                     if (type == QT_Q6_K)
                         group_q6k(tiles, nt, qa + i * k, sa + i * nb, ss16 + 2 * i * nb, k, mi,
                                   out);
