@@ -21,11 +21,15 @@ time per output token after the first (the requests' own timestamps); decode tok
 decodes while the others prefill in 2048-token chunks of several seconds each, so its
 "TPOT" was mostly the others' prefill: 2 tok/s at 4k, batch 4.)
 
+Wall time is nearly all the untimed prefill (a chunk over earlier context costs more the
+longer that context is): about 45 s per engine at 4k and 140 s at 8k on one quiet core of
+the 2-core CPU, so about 7 minutes for the default (auto and int8 at 4k and 8k, 3 repeats
+of 32 tokens); each further dtype adds half that.
+
 Also per row: the bytes one decode step reads (the C stack's weights plus the batch's KV
 pages at the mean decode context, a quantized cache's scales included) and the GB/s that
 implies; the decode path (``c-stack`` when every decode step ran the one-call small-batch
-stack, small_batch.py); the KV blocks the same memory budget holds; whether the greedy
-tokens equal the first dtype's (quantized KV may flip a near tie). One table and a JSON
+stack, small_batch.py); whether the greedy tokens equal the first dtype's (quantized KV may flip a near tie). One table and a JSON
 file.
 """
 
@@ -55,7 +59,9 @@ def step_bytes(llm: LLM, batch: int, context: int) -> tuple[int, int]:
 def run_one(kv_dtype: str, context: int, args: argparse.Namespace,
             seed: int) -> dict[str, Any]:
     batch, out_len = args.batch, args.output_len
-    per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2's float32 K + V: one budget for every dtype
+    # Room for the batch in any dtype (SmolLM2's float32 K + V); the engine caps the pool
+    # at what max_num_seqs * max_model_len can use, so the pool does not differ by dtype.
+    per_token = 2 * 30 * 3 * 64 * 4
     llm = LLM(dtype=args.dtype, kv_cache_dtype=kv_dtype, max_model_len=context + out_len + 16,
               max_num_seqs=batch, kv_cache_memory_bytes=int(
                   1.3 * per_token * batch * (context + out_len + 32)) + (64 << 20))
@@ -85,7 +91,6 @@ def run_one(kv_dtype: str, context: int, args: argparse.Namespace,
         tpots.append(mean_tpot_ms(outs))
         tokens.append([o.outputs[0].token_ids for o in outs])
     weights, kv = step_bytes(llm, batch, context + out_len // 2)
-    stats = llm.stats().kv_cache
     dtype = str(llm.llm_engine.executor.runner.dtype).removeprefix("torch.")
     llm.shutdown()
     del llm
@@ -97,7 +102,7 @@ def run_one(kv_dtype: str, context: int, args: argparse.Namespace,
             "gb_s": (weights + kv) / tpot / 1e6,
             # The first step recomputes the prompts' tails (more than 8 tokens at batch 2+).
             "path": "c-stack" if min(stack_calls) >= out_len - 2 else "op-by-op",
-            "num_blocks": stats.num_blocks, "tokens": tokens}
+            "tokens": tokens}
 
 
 def main() -> None:
@@ -124,7 +129,7 @@ def main() -> None:
                   f"(prefill {row['prefill_s']:.0f} s)", flush=True)
     print(markdown_table(rows, ["context", "dtype", "kv_cache_dtype", "batch", "tpot_ms",
                                 "decode_tok_s", "speedup", "weight_mb_per_step",
-                                "kv_mb_per_step", "gb_s", "path", "num_blocks",
+                                "kv_mb_per_step", "gb_s", "path",
                                 "same_tokens_as_first"]))
     path = write_json("kv_dtype.json", {
         "args": vars(args),
