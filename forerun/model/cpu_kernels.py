@@ -486,8 +486,8 @@ _ISA_NAMES = {3: "avx512vnni", 2: "vnni", 1: "avx2"}
 
 
 def quant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the tile kernel (csrc/quant_matmul.c: the 32-value types, Q4_K, Q5_K, and
-    Q6_K for many rows) was built with: ``avx512vnni``, ``vnni`` (256-bit: AVX-VNNI),
+    """Which body the tile kernel (csrc/quant_matmul.c: the 32-value types, Q4_K, Q5_K and
+    Q6_K) was built with: ``avx512vnni``, ``vnni`` (256-bit: AVX-VNNI),
     ``avx2`` or ``c``."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"

@@ -681,10 +681,10 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
  * 16 scale bytes as 16 lines of 16, then ql and qh as lines of 64 bytes (bytes 4l..4l+3 of
  * each row). The byte products are weighted by the row's sub-block scale in the madd that
  * widens them, so a block of 32 needs one float multiply per row; the offset 32 is taken
- * back from the activations' sums per 16. Q6_K weights are held as the file's rows (for one
- * token kquant_matmul.c's row kernel is faster: 20 against 16 GB/s, 2048 x 8192 on 2 cores);
- * gguf_matmul.c regroups them into these tiles for a matmul of many rows (64 rows: 1.5x
- * faster than the rows), one pass over the weight per call (q6k_rows_to_tiles). */
+ * back from the activations' sums per 16. Q6_K weights are held in these tiles from load
+ * (forerun/model/quant/gguf_blocks.py), for one row as for many: with the 512-bit body the
+ * tiles beat kquant_matmul.c's row kernel at every row count (one core, 2048 x 8192:
+ * 1.2-1.4x at one row, 2.6-3.3x at eight). */
 #define Q6T_BYTES 3360
 #define Q6T_QL 288
 #define Q6T_QH 2336
@@ -782,66 +782,87 @@ static inline __attribute__((always_inline)) void group_q6k_m(
     int64_t k, const int m, float out[MAXM][GR]) {
     const int64_t nb = k / QK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; ++h) {
-        __m256 acc[MAXM], fix[MAXM];
-        for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
+    /* Both halves of the 16 rows in one pass for one activation row (a decode step reads
+     * the tile once, from memory), else one half per pass (the second finds it in cache). */
+    const int hp = m == 1 ? 2 : 1;
+    for (int h0 = 0; h0 < 2; h0 += hp) {
+        __m256 acc[2][MAXM], fix[2][MAXM];
+        for (int hh = 0; hh < hp; ++hh)
+            for (int i = 0; i < m; ++i) acc[hh][i] = fix[hh][i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nsb; ++b) {
             const uint8_t *t = tiles + b * Q6T_BYTES;
-            if (h == 0)
+            if (h0 == 0)
                 for (int64_t o = 0; o < Q6T_BYTES; o += 64)
                     _mm_prefetch((const char *)(t + Q6T_BYTES + o), _MM_HINT_T0);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
-            /* The offset: the sum over sub-blocks c of sc_c * (s * sum of the 16 q), times
-             * 32 d (taken back at the end). */
-            __m256 corr[MAXM];
-            for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
-            for (int c = 0; c < 16; ++c) {
-                const __m256 scf = _mm256_cvtepi32_ps(q6_scales(t + 32 + 16 * c, h));
-                for (int i = 0; i < m; ++i)
-                    corr[i] = _mm256_fmadd_ps(
-                        scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]), corr[i]);
-            }
-            for (int i = 0; i < m; ++i) fix[i] = _mm256_fmadd_ps(corr[i], d, fix[i]);
-            for (int j = 0; j < 8; ++j) { /* block of 32: half f, block q of the half */
-                const int f = j / 4, q = j % 4;
-                __m256i dot[MAXM];
-                for (int i = 0; i < m; ++i) dot[i] = _mm256_setzero_si256();
-                for (int gg = 0; gg < 4; ++gg) { /* lines 2gg, 2gg + 1: 8 values, one scale */
-                    const __m256i sc = pair16(q6_scales(t + 32 + 16 * (2 * j + gg / 2), h));
-                    __m256i u[2];
-                    for (int e = 0; e < 2; ++e) {
-                        const int g = 2 * gg + e;
-                        const __m256i l = _mm256_loadu_si256((const __m256i *)(
-                            t + Q6T_QL + 64 * (16 * f + 8 * (q % 2) + g) + 32 * h));
-                        const __m256i qh = _mm256_loadu_si256(
-                            (const __m256i *)(t + Q6T_QH + 64 * (8 * f + g) + 32 * h));
-                        const __m256i lo = q / 2 ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low4)
-                                                 : _mm256_and_si256(l, low4);
-                        /* Block q takes bits 2q..2q+1 of qh as its bits 4-5. */
-                        const __m256i hb = q == 0   ? _mm256_slli_epi16(qh, 4)
-                                           : q == 1 ? _mm256_slli_epi16(qh, 2)
-                                           : q == 2 ? qh
-                                                    : _mm256_srli_epi16(qh, 2);
-                        u[e] = _mm256_or_si256(lo, _mm256_and_si256(hb, hi2));
-                    }
-                    for (int i = 0; i < m; ++i) {
-                        const int8_t *a = qa + i * k + b * 256 + 32 * j + 8 * gg;
-                        const __m256i s16 = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(act4(a))),
-                            _mm256_maddubs_epi16(u[1], _mm256_set1_epi32(act4(a + 4))));
-                        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(s16, sc));
-                        KEEP_IN_REG(dot[i]);
-                    }
+            for (int hh = 0; hh < hp; ++hh) {
+                const int h = h0 + hh;
+                const __m256 d =
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
+                /* The offset: the sum over sub-blocks c of sc_c * (s * sum of the 16 q),
+                 * times 32 d (taken back at the end). */
+                __m256 corr[MAXM];
+                for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
+                for (int c = 0; c < 16; ++c) {
+                    const __m256 scf = _mm256_cvtepi32_ps(q6_scales(t + 32 + 16 * c, h));
+                    for (int i = 0; i < m; ++i)
+                        corr[i] = _mm256_fmadd_ps(
+                            scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]), corr[i]);
                 }
                 for (int i = 0; i < m; ++i)
-                    acc[i] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(dot[i]),
-                        _mm256_mul_ps(d, _mm256_set1_ps(sa[i * nb + b * 8 + j])), acc[i]);
+                    fix[hh][i] = _mm256_fmadd_ps(corr[i], d, fix[hh][i]);
+            }
+            for (int j = 0; j < 8; ++j) { /* block of 32: half f, block q of the half */
+                const int f = j / 4, q = j % 4;
+                __m256i dot[2][MAXM];
+                for (int hh = 0; hh < hp; ++hh)
+                    for (int i = 0; i < m; ++i) dot[hh][i] = _mm256_setzero_si256();
+                for (int gg = 0; gg < 4; ++gg) { /* lines 2gg, 2gg + 1: 8 values, one scale */
+                    for (int hh = 0; hh < hp; ++hh) {
+                        const int h = h0 + hh;
+                        const __m256i sc =
+                            pair16(q6_scales(t + 32 + 16 * (2 * j + gg / 2), h));
+                        __m256i u[2];
+                        for (int e = 0; e < 2; ++e) {
+                            const int g = 2 * gg + e;
+                            const __m256i l = _mm256_loadu_si256((const __m256i *)(
+                                t + Q6T_QL + 64 * (16 * f + 8 * (q % 2) + g) + 32 * h));
+                            const __m256i qh = _mm256_loadu_si256(
+                                (const __m256i *)(t + Q6T_QH + 64 * (8 * f + g) + 32 * h));
+                            const __m256i lo =
+                                q / 2 ? _mm256_and_si256(_mm256_srli_epi16(l, 4), low4)
+                                      : _mm256_and_si256(l, low4);
+                            /* Block q takes bits 2q..2q+1 of qh as its bits 4-5. */
+                            const __m256i hb = q == 0   ? _mm256_slli_epi16(qh, 4)
+                                               : q == 1 ? _mm256_slli_epi16(qh, 2)
+                                               : q == 2 ? qh
+                                                        : _mm256_srli_epi16(qh, 2);
+                            u[e] = _mm256_or_si256(lo, _mm256_and_si256(hb, hi2));
+                        }
+                        for (int i = 0; i < m; ++i) {
+                            const int8_t *a = qa + i * k + b * 256 + 32 * j + 8 * gg;
+                            const __m256i s16 = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(act4(a))),
+                                _mm256_maddubs_epi16(u[1], _mm256_set1_epi32(act4(a + 4))));
+                            dot[hh][i] = _mm256_add_epi32(dot[hh][i], _mm256_madd_epi16(s16, sc));
+                            KEEP_IN_REG(dot[hh][i]);
+                        }
+                    }
+                }
+                for (int hh = 0; hh < hp; ++hh) {
+                    const __m256 d =
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * (h0 + hh))));
+                    for (int i = 0; i < m; ++i)
+                        acc[hh][i] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(dot[hh][i]),
+                            _mm256_mul_ps(d, _mm256_set1_ps(sa[i * nb + b * 8 + j])),
+                            acc[hh][i]);
+                }
             }
         }
-        for (int i = 0; i < m; ++i)
-            _mm256_storeu_ps(out[i] + 8 * h,
-                             _mm256_fnmadd_ps(fix[i], _mm256_set1_ps(32.f), acc[i]));
+        for (int hh = 0; hh < hp; ++hh)
+            for (int i = 0; i < m; ++i)
+                _mm256_storeu_ps(out[i] + 8 * (h0 + hh),
+                                 _mm256_fnmadd_ps(fix[hh][i], _mm256_set1_ps(32.f), acc[hh][i]));
     }
 }
 #else
@@ -881,31 +902,6 @@ static inline void group_q6k_m(const uint8_t *tiles, int64_t nsb, const int8_t *
     }
 }
 #endif
-
-/* See qweight.h. */
-int64_t q6k_tile_bytes(int64_t n, int64_t k) {
-    return (n + GR - 1) / GR * (k / 256) * Q6T_BYTES;
-}
-
-int q6k_rows_to_tiles(const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
-    if (k % 256) return -2;
-    const int64_t nsb = k / 256, groups = (n + GR - 1) / GR;
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; ++g)
-        for (int64_t b = 0; b < nsb; ++b) {
-            uint8_t *t = tiles + (g * nsb + b) * Q6T_BYTES;
-            if (g * GR + GR > n) memset(t, 0, Q6T_BYTES); /* a last group's padding rows */
-            for (int r = 0; r < GR && g * GR + r < n; ++r) {
-                const uint8_t *blk = rows + ((g * GR + r) * nsb + b) * 210;
-                memcpy(t + 2 * r, blk + 208, 2);
-                for (int c = 0; c < 16; ++c) t[32 + 16 * c + r] = blk[192 + c];
-                for (int q = 0; q < 128; q += 4) memcpy(t + Q6T_QL + 16 * q + 4 * r, blk + q, 4);
-                for (int q = 0; q < 64; q += 4)
-                    memcpy(t + Q6T_QH + 16 * q + 4 * r, blk + 128 + q, 4);
-            }
-        }
-    return 0;
-}
 
 static void group_q6k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
                       const float *ss16, int64_t k, int64_t m, float out[MAXM][GR]) {

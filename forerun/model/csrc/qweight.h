@@ -4,8 +4,8 @@
  *
  * Up to QW_MAXPARTS row ranges, rows concatenated, each in its own ggml block type: a fused
  * q/k/v or gate/up whose GGUF tensors differ in type keeps each part as it is. data[p] is
- * part p's bytes: the 32-value types (MXFP4 among them), Q4_K and Q5_K regrouped in tiles of
- * 16 rows (quant_matmul.c), the other K-quants as the file's rows. */
+ * part p's bytes: the 32-value types (MXFP4 among them), Q4_K, Q5_K and Q6_K regrouped in
+ * tiles of 16 rows (quant_matmul.c), the other K-quants as the file's rows. */
 #ifndef FORERUN_QWEIGHT_H
 #define FORERUN_QWEIGHT_H
 #include <stdint.h>
@@ -27,8 +27,4 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
 int kquant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
                        int64_t k);
 
-/* Q6_K rows [n, k / 256 * 210] (the file's) -> the tiles quant_matmul_rows reads for type
- * Q6_K, into tiles [q6k_tile_bytes(n, k)]; 0 or -2 (k not whole super-blocks). */
-int64_t q6k_tile_bytes(int64_t n, int64_t k);
-int q6k_rows_to_tiles(const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles);
 #endif

@@ -24,7 +24,8 @@ quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmu
 MXFP4's header is the 16 exponent bytes.
 Q4_K's and Q5_K's 256-value super-blocks (:mod:`forerun.model.quant.kquant_blocks`) are held
 in the same kind of tile: the 16 ``d``, the 16 ``dmin``, the 12 scale bytes as 12 lines of
-16, then (Q5_K's ``qh`` and) the quants in lines of 64 bytes (:data:`TILED_TYPES`).
+16, then (Q5_K's ``qh`` and) the quants in lines of 64 bytes (:data:`TILED_TYPES`); Q6_K's:
+the 16 ``d``, its 16 scale bytes as 16 lines of 16, then ``ql`` and ``qh`` in lines of 64.
 
 Activations are quantized per row and block of 32 to int8 with the scale
 ``s = max|x| / 127`` (rounded to nearest even), as llama.cpp does for its q8 activations. We
@@ -50,10 +51,14 @@ MXFP4_LEVELS: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6,
 
 
 GROUP = 16  # rows per tile
-Q4_K, Q5_K = 12, 13
+Q4_K, Q5_K, Q6_K = 12, 13, 14
 # The types held in tiles: (bytes, values) of their blocks.
 TILED_TYPES: dict[int, tuple[int, int]] = {**{t: (b, QK) for t, b in BLOCK_BYTES.items()},
-                                           Q4_K: (144, 256), Q5_K: (176, 256)}
+                                           Q4_K: (144, 256), Q5_K: (176, 256),
+                                           Q6_K: (210, 256)}
+# Q6_K's tile (csrc/quant_matmul.c): the 16 d, the 16 scale bytes as 16 lines of 16, then ql
+# and qh as lines of 64 bytes.
+_Q6T_QL, _Q6T_QH = 288, 2336
 
 
 def _tile_map(qtype: int) -> torch.Tensor:
@@ -62,6 +67,14 @@ def _tile_map(qtype: int) -> torch.Tensor:
     out = torch.empty(GROUP, bs, dtype=torch.int64)
     for r in range(GROUP):
         out[r, 0:2] = torch.tensor([2 * r, 2 * r + 1])
+        if qtype == Q6_K:  # ql[128], qh[64], 16 scales, d (the file's order)
+            q = torch.arange(128)
+            out[r, 0:128] = _Q6T_QL + 64 * (q // 4) + 4 * r + q % 4
+            q = torch.arange(64)
+            out[r, 128:192] = _Q6T_QH + 64 * (q // 4) + 4 * r + q % 4
+            out[r, 192:208] = 32 + 16 * torch.arange(16) + r
+            out[r, 208:210] = torch.tensor([2 * r, 2 * r + 1])
+            continue
         if qtype in (Q4_K, Q5_K):  # d, dmin, 12 scale bytes, [32 bytes qh,] 128 of quants
             out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
             out[r, 4:16] = 64 + 16 * torch.arange(12) + r
