@@ -145,8 +145,9 @@ class AttentionMetadata:
     # gathered nor attended. Views by window, built on first use (:meth:`windowed`).
     window: int | None = None
     window_views: dict[int, AttentionMetadata] = field(default_factory=dict)
-    # Sliding-window causal masks of fresh prompts, by (length, window).
-    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Sliding-window masks of fresh prompts' query blocks, by (queries, keys, offset of the
+    # first query past the first key, window).
+    window_masks: dict[tuple[int, int, int, int], torch.Tensor] = field(default_factory=dict)
     # Several KV cache groups (docs/kv_cache.md): this is group 0's; per layer, its group's
     # metadata (the same batch over that group's block table and slots), None for group 0.
     layer_metas: list[AttentionMetadata | None] | None = None
@@ -175,12 +176,14 @@ class AttentionMetadata:
             self.window_views[window] = view
         return view
 
-    def window_mask(self, length: int, window: int) -> torch.Tensor:
-        """``[length, length]`` bool: causal, and at most ``window`` keys back."""
-        mask = self.window_masks.get((length, window))
+    def window_mask(self, q_len: int, k_len: int, offset: int, window: int) -> torch.Tensor:
+        """``[q_len, k_len]`` bool for queries ``offset`` positions past the first key:
+        causal, and fewer than ``window`` positions back."""
+        key = (q_len, k_len, offset, window)
+        mask = self.window_masks.get(key)
         if mask is None:
-            mask = _window_mask(length, length, 0, 0, window, self.block_tables.device)
-            self.window_masks[(length, window)] = mask
+            mask = _window_mask(q_len, k_len, offset, 0, window, self.block_tables.device)
+            self.window_masks[key] = mask
         return mask
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -499,23 +502,49 @@ def _prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+# Query rows per SDPA call of a sliding-window prompt (see _fresh_prompt_attention). Each
+# call reads its rows' keys only, from ``window - 1`` before its first row, so a prompt of T
+# tokens costs about T * (window + 128) scores instead of T * T. 128 measured fastest (bf16,
+# head_dim 256, window 512, one thread: 0.064 s against 0.069 s at 256, 0.18 s at 512 and
+# 0.40 s for one masked call over all 2048 tokens).
+WINDOW_QUERY_BLOCK = 128
+
+
 def _fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                            count: int, length: int, scale: float,
-                            mask: torch.Tensor | None = None) -> torch.Tensor:
+                            count: int, length: int, scale: float, window: int | None = None,
+                            meta: AttentionMetadata | None = None) -> torch.Tensor:
     """Causal attention of ``count`` adjacent prompt chunks of ``length`` tokens that start
     at position 0, so their new K/V rows are their whole context; returns
-    ``[count * length, H, D]``. ``mask`` (a sliding window's) replaces the causal one.
+    ``[count * length, H, D]``. A sliding ``window`` shorter than ``length`` limits each
+    query to its last ``window`` positions (its masks cached on ``meta``).
 
     The C kernel walks each query's context row by row, which suits a decode; a prompt's
     queries all read the same keys, and SDPA's tiled kernel computes them as matrix products,
     about 4x faster for a batch of 128-token prompts in bf16 on a 2-core CPU."""
     end = start + count * length
     heads = lambda x: x[start:end].unflatten(0, (count, length)).transpose(1, 2)  # noqa: E731
-    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask,
-                                         is_causal=mask is None, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    # SDPA lays its output out token-major, so this is a view, not a copy.
-    return out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2])
+    gqa = q.shape[1] != k.shape[1]
+    num_heads, d = q.shape[1], q.shape[2]
+    if window is None or length <= window:
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
+                                             scale=scale, enable_gqa=gqa)
+        # SDPA lays its output out token-major, so this is a view, not a copy.
+        return out.transpose(1, 2).reshape(count * length, num_heads, d)
+    # One masked call over the whole prompt would score every key of every query and skip
+    # no tile (a mask hides nothing from SDPA's tiling); blocks of queries over their
+    # windows' keys score about window + block keys per query.
+    assert meta is not None
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    out = q.new_empty(count, length, num_heads, d)
+    for lo in range(0, length, WINDOW_QUERY_BLOCK):
+        hi = min(length, lo + WINDOW_QUERY_BLOCK)
+        k_lo = max(0, lo - window + 1)
+        mask = meta.window_mask(hi - lo, hi - k_lo, lo - k_lo, window)
+        part = F.scaled_dot_product_attention(qh[:, :, lo:hi], kh[:, :, k_lo:hi],
+                                              vh[:, :, k_lo:hi], attn_mask=mask,
+                                              scale=scale, enable_gqa=gqa)
+        out[:, lo:hi] = part.transpose(1, 2)
+    return out.view(count * length, num_heads, d)
 
 
 def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -554,13 +583,10 @@ def paged_attention(
             fresh, ranges = [], [(0, t)]
         if fresh and scales is not None:  # fresh prompts read their rows as stored
             k, v = _read_back(k_cache, v_cache, scales, meta, q.dtype)
-
-        def fresh_mask(length: int) -> torch.Tensor | None:
-            return meta.window_mask(length, window) if window and length > window else None
         if not ranges and len(fresh) == 1:  # only prompts of one length: no copy into out
             start, count, length = fresh[0]
-            return _fresh_prompt_attention(q, k, v, start, count, length, scale,
-                                           fresh_mask(length)).reshape(t, num_heads * d)
+            return _fresh_prompt_attention(q, k, v, start, count, length, scale, window,
+                                           meta).reshape(t, num_heads * d)
         token_seq, token_len = meta.token_indices()
         if not fresh:
             out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
@@ -574,7 +600,7 @@ def paged_attention(
                                         window, softcap, sinks, scales)
         for start, count, length in fresh:
             out[start:start + count * length] = _fresh_prompt_attention(
-                q, k, v, start, count, length, scale, fresh_mask(length))
+                q, k, v, start, count, length, scale, window, meta)
         return out.view(t, num_heads * d)
     meta = meta.windowed(window)
     meta.build_torch_path()

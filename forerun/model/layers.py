@@ -67,8 +67,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act == "silu" and _use_kernels(gate_up):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        if _use_kernels(gate_up):
+            fused = (cpu_kernels.silu_and_mul if self.act == "silu"
+                     else cpu_kernels.gelu_tanh_and_mul)
+            return self.down_proj(fused(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.act == "silu":
             return self.down_proj(F.silu(gate) * up)
