@@ -26,8 +26,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernels(x) and x.is_contiguous() and x.dtype == self.weight.dtype:
-            out = x.clone()
+        if _use_kernels(x) and x.stride(-1) == 1 and x.dtype == self.weight.dtype:
+            # A strided x (q/k heads, views of the fused projection) is copied once into
+            # the contiguous output, which the kernel then norms in place.
+            out = x.clone() if x.is_contiguous() else x.contiguous()
             cpu_kernels.rms_norm_(out, self.weight, self.eps)
             return out
         return self._forward_torch(x)
