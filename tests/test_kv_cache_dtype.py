@@ -115,7 +115,8 @@ def test_attention_matches_float64_on_the_dequantized_cache(name: str, d: int, b
 def test_long_chunks_attend_their_dequantized_context_in_sdpa(
         name: str, window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Second chunks of 2 tokens and more (normally 128) over a copy of their context,
-    dequantized as gathered, in SDPA calls of 3 query rows."""
+    dequantized as gathered, in SDPA calls of 3 query rows (with a window: the C kernel's,
+    as before)."""
     monkeypatch.setattr(attention, "CONTEXT_CHUNK_MIN_TOKENS", 2)
     monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 3)
     for out, ref in _run(name, True, 64, 16, torch.float32, monkeypatch, window):

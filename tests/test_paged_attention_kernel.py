@@ -244,7 +244,7 @@ def test_long_chunks_with_context_attend_a_copy_of_it_in_sdpa(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks with earlier context of 2 tokens and more (normally 128) go to SDPA over their
     gathered keys, in calls of 3 query rows, beside the C kernel's decodes and SDPA's
-    fresh prompts in one step."""
+    fresh prompts in one step; with a window, back to the C kernel."""
     monkeypatch.setattr(attention, "CONTEXT_CHUNK_MIN_TOKENS", 2)
     monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 3)
     step = Step(case, *CASES[case], dtype)

@@ -142,7 +142,8 @@ class AttentionMetadata:
     fresh_runs: list[tuple[int, int, int]] | None = None
     kernel_ranges: list[tuple[int, int]] | None = None
     # Prefill chunks with earlier context and at least CONTEXT_CHUNK_MIN_TOKENS tokens, as
-    # (first row, end row, row of block_tables, seq_len): SDPA over a copy of their context.
+    # (first row, end row, row of block_tables, seq_len): SDPA over a copy of their context
+    # on a layer without a sliding window.
     context_chunks: list[tuple[int, int, int, int]] | None = None
     # A window view's window (torch path of a sliding layer): keys before it are neither
     # gathered nor attended. Views by window, built on first use (:meth:`windowed`).
@@ -563,53 +564,46 @@ def _fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return out.view(count * length, num_heads, d)
 
 
-# Prefill chunks with earlier context of at least this many tokens attend over a dense copy
-# of their context, in SDPA calls of WINDOW_QUERY_BLOCK query rows (over their windows' keys
-# on a sliding layer); shorter ones go to the C kernel with the decodes. The kernel walks
-# every (token, kv head) pair's keys in float32 (about 15 GFLOP/s on one Zen 5 core in bf16,
-# head_dim 256), SDPA's tiles run as matrix products: a 2048-token chunk over 2048 earlier
-# tokens took 0.29 s in the kernel against 0.07 s (window 512) and 1.0 s against 0.6 s
-# (global) this way.
+# Prefill chunks with earlier context of at least this many tokens, on a layer without a
+# sliding window, attend over a dense copy of their context in SDPA calls of
+# WINDOW_QUERY_BLOCK query rows; shorter ones go to the C kernel with the decodes. The kernel
+# walks every (token, kv head) pair's keys in float32, SDPA's tiles run as matrix products:
+# a 2048-token chunk after 6144 tokens took 1.38 s in the kernel and 0.93 s here (bf16,
+# Gemma 3 1B's heads, one Zen 5 core); after 2048 tokens both 0.38 s, and at 128 tokens
+# 0.022 s against 0.020 s. Over a window of 512 the kernel's short walks were faster
+# (0.062 s against 0.084 s), so sliding layers keep it.
 CONTEXT_CHUNK_MIN_TOKENS = 128
 
 
 def _context_chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              meta: AttentionMetadata, chunk: tuple[int, int, int, int],
-                             scale: float, window: int | None,
-                             kv_scales: tuple[torch.Tensor, torch.Tensor] | None
+                             scale: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None
                              ) -> torch.Tensor:
-    """Attention of one prefill chunk (rows ``start:end``, block-table row ``seq``, context
-    ``seq_len`` with the chunk) over its keys as the cache holds them (the step's rows
-    already written there); returns ``[end - start, H, D]``."""
+    """Causal attention of one prefill chunk (rows ``start:end``, block-table row ``seq``,
+    context ``seq_len`` with the chunk) over its keys as the cache holds them (the step's
+    rows already written there); returns ``[end - start, H, D]``."""
     start, end, seq, seq_len = chunk
     q_len, num_heads, d = end - start, q.shape[1], q.shape[2]
     kvh, bs = k_cache.shape[1], k_cache.shape[3]
     ctx = seq_len - q_len
-    # From the block holding the first position any of the chunk's queries sees.
-    first_block = (0 if window is None else max(0, ctx - window + 1)) // bs
-    k_start = first_block * bs
-    n_blocks = -(-seq_len // bs) - first_block
-    runs = _head_runs(meta.block_tables[seq, first_block:first_block + n_blocks], kvh)
+    n_blocks = -(-seq_len // bs)
+    runs = _head_runs(meta.block_tables[seq, :n_blocks], kvh)
     if kv_scales is None:
         kt = k_cache.view(-1, d * bs).index_select(0, runs)
         vt = v_cache.view(-1, bs * d).index_select(0, runs)
     else:
         kt = kv_quant.gather_runs(k_cache, kv_scales[0], runs, q.dtype)
         vt = kv_quant.gather_runs(v_cache, kv_scales[1], runs, q.dtype)
-    n_keys = seq_len - k_start
     keys = kt.view(1, kvh, n_blocks, d, bs).transpose(-1, -2).reshape(1, kvh, -1, d)
     vals = vt.view(1, kvh, n_blocks * bs, d)
     qh = q[start:end].transpose(0, 1).unsqueeze(0)
     out = q.new_empty(q_len, num_heads, d)
-    # A window wider than the context: causal only.
-    w = window if window is not None else seq_len + 1
     for lo in range(0, q_len, WINDOW_QUERY_BLOCK):
         hi = min(q_len, lo + WINDOW_QUERY_BLOCK)
-        k_lo = max(0, ctx + lo - w + 1 - k_start)
-        k_hi = min(n_keys, ctx + hi - k_start)
-        mask = meta.window_mask(hi - lo, k_hi - k_lo, ctx + lo - k_start - k_lo, w)
-        part = F.scaled_dot_product_attention(qh[:, :, lo:hi], keys[:, :, k_lo:k_hi],
-                                              vals[:, :, k_lo:k_hi], attn_mask=mask,
+        # Causal: a "window" longer than the sequence.
+        mask = meta.window_mask(hi - lo, ctx + hi, ctx + lo, seq_len + 1)
+        part = F.scaled_dot_product_attention(qh[:, :, lo:hi], keys[:, :, :ctx + hi],
+                                              vals[:, :, :ctx + hi], attn_mask=mask,
                                               scale=scale, enable_gqa=num_heads != kvh)
         out[lo:hi] = part[0].transpose(0, 1)
     return out
@@ -648,6 +642,9 @@ def paged_attention(
         cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache, scales)
         fresh, ranges = meta.kernel_split()
         chunks = meta.long_context_chunks()
+        if window is not None and chunks:  # see CONTEXT_CHUNK_MIN_TOKENS
+            ranges = sorted(ranges + [(c[0], c[1]) for c in chunks])
+            chunks = []
         if softcap is not None or sinks is not None:  # SDPA cannot: all to the C kernel
             fresh, ranges, chunks = [], [(0, t)], []
         if fresh and scales is not None:  # fresh prompts read their rows as stored
@@ -672,7 +669,7 @@ def paged_attention(
                 q, k, v, start, count, length, scale, window, meta)
         for chunk in chunks:
             out[chunk[0]:chunk[1]] = _context_chunk_attention(q, k_cache, v_cache, meta, chunk,
-                                                              scale, window, scales)
+                                                              scale, scales)
         return out.view(t, num_heads * d)
     meta = meta.windowed(window)
     meta.build_torch_path()
