@@ -17,7 +17,9 @@ On CPU (float32/bfloat16) each layer makes two C calls (forerun/model/cpu_kernel
 stores the new K/V rows in their slots, one attends the step's query tokens over their paged
 context straight from the cache, decodes and prefill chunks with earlier context alike.
 Prompt chunks that start at position 0 have no context but their own new rows; those go to
-SDPA instead, one call per run of adjacent chunks of one length. Elsewhere, or where
+SDPA instead, one call per run of adjacent chunks of one length (on a sliding layer, one
+call per block of queries over their windows' keys), and so do chunks of 128 tokens or more
+with earlier context on a layer without a window, over a gathered copy of their context. Elsewhere, or where
 the kernels could not be built, the torch path below computes the same function: decodes in
 one batched gather + matmul call, prefill chunks with SDPA one sequence at a time.
 
@@ -149,8 +151,9 @@ class AttentionMetadata:
     # gathered nor attended. Views by window, built on first use (:meth:`windowed`).
     window: int | None = None
     window_views: dict[int, AttentionMetadata] = field(default_factory=dict)
-    # Sliding-window masks of fresh prompts' query blocks, by (queries, keys, offset of the
-    # first query past the first key, window).
+    # Masks of the query blocks SDPA attends in (fresh prompts on sliding layers, long
+    # chunks with context), by (queries, keys, offset of the first query past the first
+    # key, window).
     window_masks: dict[tuple[int, int, int, int], torch.Tensor] = field(default_factory=dict)
     # Several KV cache groups (docs/kv_cache.md): this is group 0's; per layer, its group's
     # metadata (the same batch over that group's block table and slots), None for group 0.
