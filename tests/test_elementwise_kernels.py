@@ -1,6 +1,7 @@
 """The fused C elementwise kernels against the torch layers they replace.
 
-Oracles: the torch path of the same module (``RMSNorm._forward_torch``, ``F.silu``, the
+Oracles: the torch path of the same module (``RMSNorm._forward_torch``, ``F.silu``,
+``F.gelu(approximate="tanh")``, the
 ``rotate_half`` formula), computed in float64 from the same inputs, so both the kernel and
 the torch path are measured against exact arithmetic.
 """
@@ -60,18 +61,24 @@ def test_fused_residual_norm_returns_sum_and_its_norm(dtype: torch.dtype, dim: i
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [40, 48])  # bf16: the general body, and the 16-wide one
-def test_silu_and_mul_kernel_matches_gated_mlp_formula(dtype: torch.dtype, d: int) -> None:
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_act_and_mul_kernel_matches_gated_mlp_formula(dtype: torch.dtype, d: int,
+                                                      act: str) -> None:
     gen = torch.Generator().manual_seed(2)
     gate_up = (torch.randn(9, 2 * d, generator=gen) * 4).to(dtype)
+    # Far tails, where the GELU's exponent would overflow: exactly 0 below, x above.
+    gate_up[0, :4] = torch.tensor([-1e4, -30.0, 30.0, 1e4])
+    torch_act = F.silu if act == "silu" else lambda g: F.gelu(g, approximate="tanh")
+    kernel = cpu_kernels.silu_and_mul if act == "silu" else cpu_kernels.gelu_tanh_and_mul
     g, u = gate_up.double().split(d, dim=-1)
-    want = F.silu(g) * u
-    got = cpu_kernels.silu_and_mul(gate_up)
-    assert got.shape == (9, d) and got.dtype == dtype
+    want = torch_act(g) * u
+    got = kernel(gate_up)
+    assert got.shape == (9, d) and got.dtype == dtype and got.isfinite().all()
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
-    mlp = GatedMLP(16, 40).to(dtype)  # the module uses the kernel on this path
+    mlp = GatedMLP(16, 40, act).to(dtype)  # the module uses the kernel on this path
     x = torch.randn(3, 16, generator=gen).to(dtype)
     gu = mlp.gate_up_proj(x)
-    torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(gu[:, :40]) * gu[:, 40:]),
+    torch.testing.assert_close(mlp(x), mlp.down_proj(torch_act(gu[:, :40]) * gu[:, 40:]),
                                atol=TOL[dtype], rtol=TOL[dtype])
 
 

@@ -108,6 +108,21 @@ def test_attention_matches_float64_on_the_dequantized_cache(name: str, d: int, b
                                        msg=f"{name} {'C' if use_c else 'torch'}")
 
 
+@pytest.mark.skipif(not cpu_kernels.supports(torch.float32, torch.device("cpu")),
+                    reason="no C kernels")
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("window", [None, 11])
+def test_long_chunks_attend_their_dequantized_context_in_sdpa(
+        name: str, window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Second chunks of 2 tokens and more (normally 128) over a copy of their context,
+    dequantized as gathered, in SDPA calls of 3 query rows (with a window: the C kernel's,
+    as before)."""
+    monkeypatch.setattr(attention, "CONTEXT_CHUNK_MIN_TOKENS", 2)
+    monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 3)
+    for out, ref in _run(name, True, 64, 16, torch.float32, monkeypatch, window):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.skipif(not cpu_kernels.supports(torch.bfloat16, torch.device("cpu")),
                     reason="no C kernels")
 def test_bfloat16_queries_over_an_int8_cache(monkeypatch: pytest.MonkeyPatch) -> None:

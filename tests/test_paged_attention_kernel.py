@@ -214,6 +214,56 @@ def test_torch_sliding_window_attention_matches_float64_oracle(
                                step.oracle(window, softcap), atol=1e-5, rtol=1e-5)
 
 
+# Prompts from position 0 longer than their window, in SDPA calls of a few query rows over
+# their windows' keys: (seqs, window, query rows per call). Blocks that end mid-window,
+# at its edge, and a last block shorter than the others; a run of two equal prompts (one
+# call per block for both); a prompt beside a decode and a chunk (the C kernel's).
+BANDED_CASES = [([(0, 23)], 5, 3), ([(0, 20), (0, 20)], 7, 4), ([(0, 17)], 4, 4),
+                ([(2, 1), (0, 19), (6, 3)], 6, 5), ([(0, 16)], 15, 16)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", range(len(BANDED_CASES)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_prompts_attend_in_query_blocks_over_their_windows(
+        case: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    seqs, window, rows = BANDED_CASES[case]
+    monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", rows)
+    step = Step(30 + case, seqs, 4, 2, 4, 32, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(step.run(window).double(), step.oracle(window),
+                               atol=tol, rtol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("case", "window"), [(c, None) for c in range(len(CASES))]
+                         + [(c, w) for c, w, cap in WINDOW_CASES if cap is None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_with_context_attend_a_copy_of_it_in_sdpa(
+        case: int, window: int | None, dtype: torch.dtype,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks with earlier context of 2 tokens and more (normally 128) go to SDPA over their
+    gathered keys, in calls of 3 query rows, beside the C kernel's decodes and SDPA's
+    fresh prompts in one step; with a window, back to the C kernel."""
+    monkeypatch.setattr(attention, "CONTEXT_CHUNK_MIN_TOKENS", 2)
+    monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 3)
+    step = Step(case, *CASES[case], dtype)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(step.run(window).double(), step.oracle(window),
+                               atol=tol, rtol=tol)
+
+
+def test_kernel_split_sends_long_chunks_with_context_to_sdpa(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "CONTEXT_CHUNK_MIN_TOKENS", 4)
+    # decode, chunk of 6 over 9, prompt, chunk of 3 over 5 (short: the kernel's), decode.
+    step = Step(0, [(3, 1), (9, 6), (0, 5), (5, 3), (8, 1)], 4, 2, 4, 16, torch.float32)
+    fresh, ranges = step.meta.kernel_split()
+    assert fresh == [(7, 1, 5)]
+    assert step.meta.long_context_chunks() == [(1, 7, 1, 15)]
+    assert ranges == [(0, 1), (12, 16)]
+
+
 @pytest.mark.parametrize("path", ["c", "torch"])
 def test_sliding_window_attention_never_reads_blocks_before_the_window(
         path: str, monkeypatch: pytest.MonkeyPatch) -> None:

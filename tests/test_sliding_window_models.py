@@ -21,7 +21,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from forerun.model import cpu_kernels
+from forerun.model import attention, cpu_kernels
 from forerun.model.loader import load_model, load_model_config, resolve_model
 from forerun.model.small_batch import unsupported_features
 from tests.paged_driver import PagedDriver
@@ -148,6 +148,19 @@ def test_prefill_logits_and_greedy_match_transformers(tiny, cpu_path) -> None:
     assert tokens == _hf_greedy(hf, PROMPT, 12)
     # Mistral and Qwen2 ran in the one-call stack, window and all; the Gemmas never.
     assert bool(stack_calls) == (path == "c-kernels" and ours.small_batch.available)
+
+
+def test_prompt_attending_in_window_query_blocks_matches_transformers(
+        tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh prompt of 21 tokens over a window of 8 in SDPA calls of 4 query rows (the
+    last of one) over their windows' keys, as prompts longer than 128 tokens run."""
+    if cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    hf, ours, _ = tiny
+    monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 4)
+    with torch.inference_mode():
+        got = PagedDriver(ours).step([("a", PROMPT)])[0]
+    torch.testing.assert_close(got, _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
 
 
 def test_chunked_prefill_and_mixed_batch_match_transformers(tiny, cpu_path) -> None:

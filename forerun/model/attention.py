@@ -17,7 +17,9 @@ On CPU (float32/bfloat16) each layer makes two C calls (forerun/model/cpu_kernel
 stores the new K/V rows in their slots, one attends the step's query tokens over their paged
 context straight from the cache, decodes and prefill chunks with earlier context alike.
 Prompt chunks that start at position 0 have no context but their own new rows; those go to
-SDPA instead, one call per run of adjacent chunks of one length. Elsewhere, or where
+SDPA instead, one call per run of adjacent chunks of one length (on a sliding layer, one
+call per block of queries over their windows' keys), and so do chunks of 128 tokens or more
+with earlier context on a layer without a window, over a gathered copy of their context. Elsewhere, or where
 the kernels could not be built, the torch path below computes the same function: decodes in
 one batched gather + matmul call, prefill chunks with SDPA one sequence at a time.
 
@@ -141,12 +143,18 @@ class AttentionMetadata:
     # token; built on first use.
     fresh_runs: list[tuple[int, int, int]] | None = None
     kernel_ranges: list[tuple[int, int]] | None = None
+    # Prefill chunks with earlier context and at least CONTEXT_CHUNK_MIN_TOKENS tokens, as
+    # (first row, end row, row of block_tables, seq_len): SDPA over a copy of their context
+    # on a layer without a sliding window.
+    context_chunks: list[tuple[int, int, int, int]] | None = None
     # A window view's window (torch path of a sliding layer): keys before it are neither
     # gathered nor attended. Views by window, built on first use (:meth:`windowed`).
     window: int | None = None
     window_views: dict[int, AttentionMetadata] = field(default_factory=dict)
-    # Sliding-window causal masks of fresh prompts, by (length, window).
-    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Masks of the query blocks SDPA attends in (fresh prompts on sliding layers, long
+    # chunks with context), by (queries, keys, offset of the first query past the first
+    # key, window).
+    window_masks: dict[tuple[int, int, int, int], torch.Tensor] = field(default_factory=dict)
     # Several KV cache groups (docs/kv_cache.md): this is group 0's; per layer, its group's
     # metadata (the same batch over that group's block table and slots), None for group 0.
     layer_metas: list[AttentionMetadata | None] | None = None
@@ -175,12 +183,14 @@ class AttentionMetadata:
             self.window_views[window] = view
         return view
 
-    def window_mask(self, length: int, window: int) -> torch.Tensor:
-        """``[length, length]`` bool: causal, and at most ``window`` keys back."""
-        mask = self.window_masks.get((length, window))
+    def window_mask(self, q_len: int, k_len: int, offset: int, window: int) -> torch.Tensor:
+        """``[q_len, k_len]`` bool for queries ``offset`` positions past the first key:
+        causal, and fewer than ``window`` positions back."""
+        key = (q_len, k_len, offset, window)
+        mask = self.window_masks.get(key)
         if mask is None:
-            mask = _window_mask(length, length, 0, 0, window, self.block_tables.device)
-            self.window_masks[(length, window)] = mask
+            mask = _window_mask(q_len, k_len, offset, 0, window, self.block_tables.device)
+            self.window_masks[key] = mask
         return mask
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,30 +211,43 @@ class AttentionMetadata:
 
     def kernel_split(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
         """``(fresh_runs, kernel_ranges)``: the prompt chunks with no earlier context, in
-        runs of one length, and the row ranges of the other tokens (decodes, later chunks)."""
-        if (self.fresh_runs is None or self.kernel_ranges is None) \
-                and self.same_batch_as is not None:
+        runs of one length, and the row ranges of the tokens for the C kernel (decodes,
+        short chunks); long chunks with context are :meth:`long_context_chunks`."""
+        if (self.fresh_runs is None or self.kernel_ranges is None
+                or self.context_chunks is None) and self.same_batch_as is not None:
             self.fresh_runs, self.kernel_ranges = self.same_batch_as.kernel_split()
-        if self.fresh_runs is None or self.kernel_ranges is None:
+            self.context_chunks = self.same_batch_as.long_context_chunks()
+        if self.fresh_runs is None or self.kernel_ranges is None or self.context_chunks is None:
             runs: list[tuple[int, int, int]] = []
             ranges: list[tuple[int, int]] = []
+            chunks: list[tuple[int, int, int, int]] = []
             row = 0
             for span in self.prefills:
                 q_len = span.end - span.start
-                if span.seq_len != q_len:
+                fresh = span.seq_len == q_len
+                if not fresh and q_len < CONTEXT_CHUNK_MIN_TOKENS:
                     continue
                 if span.start > row:
                     ranges.append((row, span.start))
-                if runs and runs[-1][0] + runs[-1][1] * runs[-1][2] == span.start \
+                row = span.end
+                if not fresh:
+                    chunks.append((span.start, span.end, span.seq, span.seq_len))
+                elif runs and runs[-1][0] + runs[-1][1] * runs[-1][2] == span.start \
                         and runs[-1][2] == q_len:
                     runs[-1] = (runs[-1][0], runs[-1][1] + 1, q_len)
                 else:
                     runs.append((span.start, 1, q_len))
-                row = span.end
             if row < self.num_tokens:
                 ranges.append((row, self.num_tokens))
-            self.fresh_runs, self.kernel_ranges = runs, ranges
+            self.fresh_runs, self.kernel_ranges, self.context_chunks = runs, ranges, chunks
         return self.fresh_runs, self.kernel_ranges
+
+    def long_context_chunks(self) -> list[tuple[int, int, int, int]]:
+        """The prefill chunks with earlier context that :func:`paged_attention` gives to
+        SDPA (see ``context_chunks``)."""
+        self.kernel_split()
+        assert self.context_chunks is not None
+        return self.context_chunks
 
     @classmethod
     def build(
@@ -499,23 +522,94 @@ def _prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+# Query rows per SDPA call of a sliding-window prompt (see _fresh_prompt_attention). Each
+# call reads its rows' keys only, from ``window - 1`` before its first row, so a prompt of T
+# tokens costs about T * (window + 128) scores instead of T * T. Process CPU time over 2048
+# tokens (bf16, Gemma 3 1B's heads, window 512, one Zen 5 core): 0.085 s at 128 rows, 0.082 s
+# at 256, 0.10 s at 512, 0.24 s in one masked call; fewer rows read fewer keys per query.
+WINDOW_QUERY_BLOCK = 128
+
+
 def _fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                            count: int, length: int, scale: float,
-                            mask: torch.Tensor | None = None) -> torch.Tensor:
+                            count: int, length: int, scale: float, window: int | None = None,
+                            meta: AttentionMetadata | None = None) -> torch.Tensor:
     """Causal attention of ``count`` adjacent prompt chunks of ``length`` tokens that start
     at position 0, so their new K/V rows are their whole context; returns
-    ``[count * length, H, D]``. ``mask`` (a sliding window's) replaces the causal one.
+    ``[count * length, H, D]``. A sliding ``window`` shorter than ``length`` limits each
+    query to its last ``window`` positions (its masks cached on ``meta``).
 
     The C kernel walks each query's context row by row, which suits a decode; a prompt's
     queries all read the same keys, and SDPA's tiled kernel computes them as matrix products,
     about 4x faster for a batch of 128-token prompts in bf16 on a 2-core CPU."""
     end = start + count * length
     heads = lambda x: x[start:end].unflatten(0, (count, length)).transpose(1, 2)  # noqa: E731
-    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask,
-                                         is_causal=mask is None, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    # SDPA lays its output out token-major, so this is a view, not a copy.
-    return out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2])
+    gqa = q.shape[1] != k.shape[1]
+    num_heads, d = q.shape[1], q.shape[2]
+    if window is None or length <= window:
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
+                                             scale=scale, enable_gqa=gqa)
+        # SDPA lays its output out token-major, so this is a view, not a copy.
+        return out.transpose(1, 2).reshape(count * length, num_heads, d)
+    # One masked call over the whole prompt would score every key of every query and skip
+    # no tile (a mask hides nothing from SDPA's tiling); blocks of queries over their
+    # windows' keys score about window + block keys per query.
+    assert meta is not None
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    out = q.new_empty(count, length, num_heads, d)
+    for lo in range(0, length, WINDOW_QUERY_BLOCK):
+        hi = min(length, lo + WINDOW_QUERY_BLOCK)
+        k_lo = max(0, lo - window + 1)
+        mask = meta.window_mask(hi - lo, hi - k_lo, lo - k_lo, window)
+        part = F.scaled_dot_product_attention(qh[:, :, lo:hi], kh[:, :, k_lo:hi],
+                                              vh[:, :, k_lo:hi], attn_mask=mask,
+                                              scale=scale, enable_gqa=gqa)
+        out[:, lo:hi] = part.transpose(1, 2)
+    return out.view(count * length, num_heads, d)
+
+
+# Prefill chunks with earlier context of at least this many tokens, on a layer without a
+# sliding window, attend over a dense copy of their context in SDPA calls of
+# WINDOW_QUERY_BLOCK query rows; shorter ones go to the C kernel with the decodes. The kernel
+# walks every (token, kv head) pair's keys in float32, SDPA's tiles run as matrix products:
+# a 2048-token chunk after 6144 tokens took 1.38 s in the kernel and 0.93 s here (bf16,
+# Gemma 3 1B's heads, one Zen 5 core); after 2048 tokens both 0.38 s, and at 128 tokens
+# 0.022 s against 0.020 s. Over a window of 512 the kernel's short walks were faster
+# (0.062 s against 0.084 s), so sliding layers keep it.
+CONTEXT_CHUNK_MIN_TOKENS = 128
+
+
+def _context_chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata, chunk: tuple[int, int, int, int],
+                             scale: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None
+                             ) -> torch.Tensor:
+    """Causal attention of one prefill chunk (rows ``start:end``, block-table row ``seq``,
+    context ``seq_len`` with the chunk) over its keys as the cache holds them (the step's
+    rows already written there); returns ``[end - start, H, D]``."""
+    start, end, seq, seq_len = chunk
+    q_len, num_heads, d = end - start, q.shape[1], q.shape[2]
+    kvh, bs = k_cache.shape[1], k_cache.shape[3]
+    ctx = seq_len - q_len
+    n_blocks = -(-seq_len // bs)
+    runs = _head_runs(meta.block_tables[seq, :n_blocks], kvh)
+    if kv_scales is None:
+        kt = k_cache.view(-1, d * bs).index_select(0, runs)
+        vt = v_cache.view(-1, bs * d).index_select(0, runs)
+    else:
+        kt = kv_quant.gather_runs(k_cache, kv_scales[0], runs, q.dtype)
+        vt = kv_quant.gather_runs(v_cache, kv_scales[1], runs, q.dtype)
+    keys = kt.view(1, kvh, n_blocks, d, bs).transpose(-1, -2).reshape(1, kvh, -1, d)
+    vals = vt.view(1, kvh, n_blocks * bs, d)
+    qh = q[start:end].transpose(0, 1).unsqueeze(0)
+    out = q.new_empty(q_len, num_heads, d)
+    for lo in range(0, q_len, WINDOW_QUERY_BLOCK):
+        hi = min(q_len, lo + WINDOW_QUERY_BLOCK)
+        # Causal: a "window" longer than the sequence.
+        mask = meta.window_mask(hi - lo, ctx + hi, ctx + lo, seq_len + 1)
+        part = F.scaled_dot_product_attention(qh[:, :, lo:hi], keys[:, :, :ctx + hi],
+                                              vals[:, :, :ctx + hi], attn_mask=mask,
+                                              scale=scale, enable_gqa=num_heads != kvh)
+        out[lo:hi] = part[0].transpose(0, 1)
+    return out
 
 
 def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -550,19 +644,20 @@ def paged_attention(
     if _use_kernels(q, k, v):
         cpu_kernels.kv_cache_write(k, v, meta.slot_mapping, k_cache, v_cache, scales)
         fresh, ranges = meta.kernel_split()
+        chunks = meta.long_context_chunks()
+        if window is not None and chunks:  # see CONTEXT_CHUNK_MIN_TOKENS
+            ranges = sorted(ranges + [(c[0], c[1]) for c in chunks])
+            chunks = []
         if softcap is not None or sinks is not None:  # SDPA cannot: all to the C kernel
-            fresh, ranges = [], [(0, t)]
+            fresh, ranges, chunks = [], [(0, t)], []
         if fresh and scales is not None:  # fresh prompts read their rows as stored
             k, v = _read_back(k_cache, v_cache, scales, meta, q.dtype)
-
-        def fresh_mask(length: int) -> torch.Tensor | None:
-            return meta.window_mask(length, window) if window and length > window else None
-        if not ranges and len(fresh) == 1:  # only prompts of one length: no copy into out
+        if not ranges and not chunks and len(fresh) == 1:  # prompts of one length: no copy
             start, count, length = fresh[0]
-            return _fresh_prompt_attention(q, k, v, start, count, length, scale,
-                                           fresh_mask(length)).reshape(t, num_heads * d)
+            return _fresh_prompt_attention(q, k, v, start, count, length, scale, window,
+                                           meta).reshape(t, num_heads * d)
         token_seq, token_len = meta.token_indices()
-        if not fresh:
+        if not fresh and not chunks:
             out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                               token_seq, token_len, scale, None, window,
                                               softcap, sinks, scales)
@@ -574,7 +669,10 @@ def paged_attention(
                                         window, softcap, sinks, scales)
         for start, count, length in fresh:
             out[start:start + count * length] = _fresh_prompt_attention(
-                q, k, v, start, count, length, scale, fresh_mask(length))
+                q, k, v, start, count, length, scale, window, meta)
+        for chunk in chunks:
+            out[chunk[0]:chunk[1]] = _context_chunk_attention(q, k_cache, v_cache, meta, chunk,
+                                                              scale, scales)
         return out.view(t, num_heads * d)
     meta = meta.windowed(window)
     meta.build_torch_path()

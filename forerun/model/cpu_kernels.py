@@ -125,6 +125,7 @@ def _load() -> ctypes.CDLL | None:
                                                 ctypes.c_float, _i64, ctypes.c_float, _ptr]),
                            ("rms_norm", [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
                            ("silu_and_mul", [_ptr, _ptr, _i64, _i64]),
+                           ("gelu_tanh_and_mul", [_ptr, _ptr, _i64, _i64]),
                            ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]),
                            ("small_matmul", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
                            ("decoder_stack", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
@@ -190,10 +191,20 @@ def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate_up[..., :d]) * gate_up[..., d:]`` for contiguous ``gate_up`` ``[..., 2d]``."""
+    return _act_and_mul("silu_and_mul", gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:]`` (GeGLU), as
+    :func:`silu_and_mul`; in bf16 the product is rounded once, not after the GELU too."""
+    return _act_and_mul("gelu_tanh_and_mul", gate_up)
+
+
+def _act_and_mul(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     d = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], d)
-    _fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), out.numel() // d, d)
+    _fn(name, gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), out.numel() // d, d)
     return out
 
 

@@ -26,8 +26,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernels(x) and x.is_contiguous() and x.dtype == self.weight.dtype:
-            out = x.clone()
+        if _use_kernels(x) and x.stride(-1) == 1 and x.dtype == self.weight.dtype:
+            # A strided x (q/k heads, views of the fused projection) is copied once into
+            # the contiguous output, which the kernel then norms in place.
+            out = x.clone() if x.is_contiguous() else x.contiguous()
             cpu_kernels.rms_norm_(out, self.weight, self.eps)
             return out
         return self._forward_torch(x)
@@ -67,8 +69,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act == "silu" and _use_kernels(gate_up):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        if _use_kernels(gate_up):
+            fused = (cpu_kernels.silu_and_mul if self.act == "silu"
+                     else cpu_kernels.gelu_tanh_and_mul)
+            return self.down_proj(fused(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.act == "silu":
             return self.down_proj(F.silu(gate) * up)

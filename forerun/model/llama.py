@@ -75,6 +75,12 @@ class DecoderAttention(nn.Module):
         if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
+        if self.qk_norm is not None:
+            # The norms return new, contiguous q and k; v must be laid out like k (rows
+            # equally far apart) for the C attention kernels, or every step of Qwen3, OLMo 2
+            # and Gemma 3 took the pure-torch path (one masked SDPA over whole prompts,
+            # gathered decodes). A copy of v is small beside the projections.
+            v = v.contiguous()
         if self.use_rope:
             q = apply_rotary(q, rotary)
             k = apply_rotary(k, rotary)

@@ -1,5 +1,5 @@
 /* Fused per-token elementwise kernels of the decoder layer (CPU): residual add + RMSNorm,
- * SiLU-and-multiply, rotary embedding. Rows are split across threads; a single row (a
+ * SiLU- or GELU(tanh)-and-multiply, rotary embedding. Rows are split across threads; a single row (a
  * decode step of one sequence) runs on the calling thread without waking the team.
  *
  * Each replaces a chain of torch ops that would each read and write the whole activation
@@ -30,6 +30,25 @@ INLINE void st(void *p, int64_t i, float x, int bf16) {
 INLINE float round_to(float x, int bf16) {
     if (!bf16) return x;
     return bf16_to_f32(f32_to_bf16(x));
+}
+
+INLINE float silu(float x) {
+    /* expf(-x) overflows below x = -88, where x * sigmoid(x) is 0 to float precision. */
+    const float g = x / (1.f + expf(-fmaxf(x, -88.f)));
+    return x < -88.f ? 0.f : g;
+}
+
+/* 2 * sqrt(2 / pi): gelu_tanh(x) = 0.5 x (1 + tanh(y)) with y = sqrt(2 / pi) (x + 0.044715 x^3),
+ * and 0.5 (1 + tanh(y)) = 1 / (1 + exp(-2y)), so GELU costs one expf, as SiLU does (tanhf
+ * does not vectorise). The exponent's input is clamped to |x| <= 10, where the factor is
+ * already 1 (or 0) to float precision: -ffast-math assumes no infinities (x / inf gave
+ * NaN), and expf(-2y) overflows below x = -10, where the result is 0 (torch's too). */
+INLINE float gelu_coef(void) { return 1.5957691216057308f; }
+
+INLINE float gelu_tanh(float x, float c) {
+    const float t = fminf(fmaxf(x, -10.f), 10.f);
+    const float g = x / (1.f + expf(-c * (t + 0.044715f * t * t * t)));
+    return x < -10.f ? 0.f : g;
 }
 
 INLINE void add_rms_norm_rows(void *x, void *residual, const void *weight, int64_t rows,
@@ -102,8 +121,9 @@ static void add_rms_norm_rows_bf16(uint16_t *x, uint16_t *residual, const uint16
     }
 }
 
-static void silu_and_mul_rows_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
-                                   int64_t d) {
+static void act_and_mul_rows_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
+                                  int64_t d, int gelu) {
+    const float c = gelu_coef();
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t *g = gate_up + r * 2 * d, *u = g + d;
@@ -111,8 +131,13 @@ static void silu_and_mul_rows_bf16(const uint16_t *gate_up, uint16_t *out, int64
         for (int64_t i = 0; i < d; i += 16) {
             float buf[16] __attribute__((aligned(64)));
             _mm512_store_ps(buf, ld16(g + i));
+            if (gelu) {
 #pragma omp simd
-            for (int j = 0; j < 16; ++j) buf[j] = buf[j] / (1.f + expf(-buf[j]));
+                for (int j = 0; j < 16; ++j) buf[j] = gelu_tanh(buf[j], c);
+            } else {
+#pragma omp simd
+                for (int j = 0; j < 16; ++j) buf[j] = silu(buf[j]);
+            }
             _mm256_storeu_si256((__m256i *)(o + i),
                                 round16(_mm512_mul_ps(_mm512_load_ps(buf), ld16(u + i))));
         }
@@ -132,32 +157,51 @@ int rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *weight, int64
     return 0;
 }
 
-INLINE void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16) {
+INLINE void act_and_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16,
+                             int gelu) {
+    const float c = gelu_coef();
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t in = r * 2 * d, o = r * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) {
             const float g = ld(gate_up, in + i, bf16), u = ld(gate_up, in + d + i, bf16);
-            st(out, o + i, g / (1.f + expf(-g)) * u, bf16);
+            const float a = gelu ? gelu_tanh(g, c) : silu(g);
+            st(out, o + i, a * u, bf16);
         }
     }
 }
 
+INLINE void act_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t d,
+                             int gelu) {
+#ifdef BF16_VEC
+    if (d % 16 == 0) {
+        act_and_mul_rows_bf16(gate_up, out, rows, d, gelu);
+        return;
+    }
+#endif
+    act_and_mul_rows(gate_up, out, rows, d, 1, gelu);
+}
+
 /* out[r, :] = silu(gate_up[r, :d]) * gate_up[r, d:] */
 int silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t d) {
-    silu_and_mul_rows(gate_up, out, rows, d, 0);
+    act_and_mul_rows(gate_up, out, rows, d, 0, 0);
     return 0;
 }
 
 int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t d) {
-#ifdef BF16_VEC
-    if (d % 16 == 0) {
-        silu_and_mul_rows_bf16(gate_up, out, rows, d);
-        return 0;
-    }
-#endif
-    silu_and_mul_rows(gate_up, out, rows, d, 1);
+    act_and_mul_bf16(gate_up, out, rows, d, 0);
+    return 0;
+}
+
+/* out[r, :] = gelu_tanh(gate_up[r, :d]) * gate_up[r, d:] (Gemma's GeGLU), rounded once. */
+int gelu_tanh_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t d) {
+    act_and_mul_rows(gate_up, out, rows, d, 0, 1);
+    return 0;
+}
+
+int gelu_tanh_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t d) {
+    act_and_mul_bf16(gate_up, out, rows, d, 1);
     return 0;
 }
 
