@@ -53,6 +53,18 @@ def gguf_paths(gguf_variants: dict[str, Any]) -> list[tuple[str, Any]]:
 _GGUF_READERS: dict[str, Any] = {}
 
 
+def gguf_reader(path: str | os.PathLike[str]) -> Any:
+    """One read-only ``gguf.GGUFReader`` per file for the session: parsing the default GGUF's
+    metadata (a 49k-entry vocabulary, field by field in Python) takes seconds, and nobody
+    writes the file, so every reader would hold the same values."""
+    from gguf.gguf_reader import GGUFReader  # not gguf.GGUFReader, which the below may patch
+
+    key = os.path.realpath(path)
+    if key not in _GGUF_READERS:
+        _GGUF_READERS[key] = GGUFReader(key)
+    return _GGUF_READERS[key]
+
+
 @contextlib.contextmanager
 def _transformers_gguf_memoized() -> Iterator[None]:
     """While transformers reads the default GGUF, give it one ``gguf.GGUFReader`` per file
@@ -67,12 +79,7 @@ def _transformers_gguf_memoized() -> Iterator[None]:
     real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
     def reader(path: Any, mode: str = "r") -> Any:
-        if mode != "r":
-            return real_reader(path, mode)
-        key = os.path.realpath(path)
-        if key not in _GGUF_READERS:
-            _GGUF_READERS[key] = real_reader(path)
-        return _GGUF_READERS[key]
+        return real_reader(path, mode) if mode != "r" else gguf_reader(path)
 
     gguf.GGUFReader = reader
     gguf.get_tensor_name_map = functools.cache(real_name_map)

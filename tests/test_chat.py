@@ -8,15 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf import GGUFReader
 
 from forerun.engine.chat import apply_chat_template, render_chat
+from tests.conftest import gguf_reader
 
 
 def read_gguf_chat_template(path: str | Path) -> str | None:
     """The chat template in a GGUF file's metadata, read with the gguf package alone: an
-    oracle independent of forerun's loader."""
-    field = GGUFReader(str(path)).get_field("tokenizer.chat_template")
+    oracle independent of forerun's loader (the session's reader of the file: conftest)."""
+    field = gguf_reader(path).get_field("tokenizer.chat_template")
     template = None if field is None else field.contents()
     return template if isinstance(template, str) else None
 

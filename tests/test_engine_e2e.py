@@ -144,22 +144,29 @@ SEEDED = {
 
 
 @pytest.mark.parametrize("async_scheduling", ["on", "off"])
-@pytest.mark.parametrize("setting", list(SEEDED))
 def test_seeded_request_gets_the_same_tokens_whatever_else_is_in_the_batch(
-        llm_cache, async_scheduling: str, setting: str):
+        llm_cache, async_scheduling: str):
+    """Every setting of :data:`SEEDED` at once: each seeded request alone, then all of them
+    in one batch with unseeded and differently seeded requests, then again in other rows."""
     llm = llm_cache(async_scheduling=async_scheduling)
-    seeded = SamplingParams(max_tokens=12, seed=1234, **SEEDED[setting])
-    alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    seeded = [SamplingParams(max_tokens=12, seed=1234, **s) for s in SEEDED.values()]
+    alone = [llm.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0].token_ids
+             for p in seeded]
     others = [SamplingParams(max_tokens=5, temperature=0.9),
               SamplingParams(max_tokens=9, temperature=0.0),
               SamplingParams(max_tokens=13, temperature=0.7, top_p=0.5, seed=99)]
-    batch = llm.generate(PROMPTS[:4], [seeded, *others], use_tqdm=False)
-    assert batch[0].outputs[0].token_ids == alone
-    again = llm.generate([PROMPTS[2], PROMPTS[0]], [others[0], seeded], use_tqdm=False)
-    assert again[1].outputs[0].token_ids == alone
+    batch = llm.generate([PROMPTS[0]] * len(seeded) + PROMPTS[1:4], [*seeded, *others],
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch[:len(seeded)]] == alone
+    # Other rows, behind an unseeded request and in reverse order.
+    again = llm.generate([PROMPTS[2]] + [PROMPTS[0]] * len(seeded),
+                         [others[0], *reversed(seeded)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again[1:]] == alone[::-1]
     unseeded = llm.generate([PROMPTS[0]] * 2, SamplingParams(max_tokens=12, temperature=1.0),
                             use_tqdm=False)
-    assert unseeded[0].outputs[0].token_ids != alone or unseeded[1].outputs[0].token_ids != alone
+    for want in alone:
+        assert unseeded[0].outputs[0].token_ids != want or \
+            unseeded[1].outputs[0].token_ids != want
     assert_all_blocks_free(llm)
 
 
