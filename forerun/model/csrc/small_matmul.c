@@ -180,16 +180,6 @@ static void pair_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w
     }
 }
 #define HAS_TILES 1
-/* Rows from which the tiles run (above: the loop above). FORERUN_SMALL_MATMUL_TILE_MIN_M
- * overrides it, for measuring both bodies on one shape. */
-static int64_t tile_min_m(void) {
-    static int64_t v = -1;
-    if (v < 0) {
-        const char *e = getenv("FORERUN_SMALL_MATMUL_TILE_MIN_M");
-        v = e ? atoll(e) : MAXM;
-    }
-    return v;
-}
 #else
 static void block_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wb, float *out) {
     const int64_t kp = k / 2;
@@ -359,7 +349,7 @@ int small_matmul_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_
     const int64_t nblocks = (n + NB - 1) / NB;
     int failed = 0;
 #if defined(HAS_TILES)
-    if (m > tile_min_m()) {
+    if (m > MAXM) { /* past one pass of the loop above (1.4x it at 32 rows, one core) */
 #pragma omp parallel
         {
             float *out = aligned_alloc(64, sizeof(float) * (size_t)(m * 2 * NB));
