@@ -106,3 +106,36 @@ def test_int8_stack_is_the_layers_own_int8_linears(folder: Path,
     int8 = h * h + 2 * i * h + i * h
     expected = layers * (4 * qkv + int8 + 4 * (h + 2 * i + h)) + 4 * cfg.vocab_size * h
     assert model.small_batch.streamed_bytes() == expected
+
+
+def test_int8_engine_async_equals_sync_on_the_stack(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine with quantization="int8" decodes through the stack by default, and the
+    asynchronous scheduler gives the synchronous one's tokens."""
+    from forerun import LLM, SamplingParams
+    from forerun.model.small_batch import SmallBatchStack
+    from tests.tiny_model import write_tiny_llama
+
+    write_tiny_llama(tmp_path, num_layers=3)
+    steps: list[tuple[str | None, int]] = []
+    forward = SmallBatchStack.forward
+
+    def counted(self: SmallBatchStack, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        steps.append((self.mode, x.shape[0]))
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(SmallBatchStack, "forward", counted)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["w5z w17z w250z w3z", "w99z w42z", "w7z w300z w12z w64z w1z w8z"]
+    out = {}
+    for mode in ("off", "on"):
+        steps.clear()
+        llm = LLM(str(tmp_path), quantization="int8", async_scheduling=mode,
+                  kv_cache_memory_bytes=16 << 20, max_model_len=128)
+        try:
+            out[mode] = [o.outputs[0].token_ids
+                         for o in llm.generate(prompts, sp, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+        assert len(steps) >= 15 and all(m == "int8" for m, _ in steps), steps
+    assert out["on"] == out["off"]
