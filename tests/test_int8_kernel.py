@@ -18,9 +18,12 @@ pytestmark = pytest.mark.skipif(cpu_kernels.kernel_library() is None,
                                 reason="no C kernels here")
 
 # -march -> the CPU flags its body needs (x86-64: the plain C body).
-_VARIANTS = {"x86-64": set(), "haswell": {"avx2"}, "skylake-avx512": {"avx512bw", "avx512f"}}
+_VARIANTS = {"x86-64": set(), "haswell": {"avx2"}, "skylake-avx512": {"avx512bw", "avx512f"},
+             "icelake-server": {"avx512bw", "avx512f", "avx512_vnni"}}
 SHAPES = [(1, 7, 33), (1, 64, 2048), (2, 5, 16), (3, 9, 100), (4, 8, 64), (5, 13, 17),
-          (64, 67, 256), (64, 4, 31)]
+          (64, 67, 256), (64, 4, 31),
+          # the VNNI body's edges: k at, below and past 64-byte lines, n past whole blocks
+          (1, 9, 64), (6, 10, 127), (7, 12, 129), (8, 17, 576), (1, 5, 1), (8, 3, 63)]
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +35,12 @@ def bodies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | 
 
 
 def test_each_variant_is_the_body_it_was_built_for(bodies) -> None:
-    want = {"x86-64": "c", "haswell": "avx2", "skylake-avx512": "avx512bw"}
+    want = {"x86-64": "c", "haswell": "avx2", "skylake-avx512": "avx512bw",
+            "icelake-server": "avx512bw"}
     for name, lib in bodies.items():
         if lib is not None:
             assert cpu_kernels.int8_matmul_isa(lib) == want[name]
+            assert cpu_kernels.int8_matmul_has_vnni(lib) == (name == "icelake-server")
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
@@ -47,9 +52,39 @@ def test_integer_sums_are_exact_in_every_body(bodies, m: int, n: int, k: int) ->
     xq[0, :] = 127
     wq[0, :] = -127
     oracle = xq.long() @ wq.long().t()
+    wsum = cpu_kernels.int8_weight_sums(wq)
+    assert torch.equal(wsum.long(), wq.long().sum(dim=1))
     for name, lib in bodies.items():
         got = cpu_kernels.int8_matmul_acc(xq, wq, lib=lib)
         assert torch.equal(got.long(), oracle), name
+        # With the row sums: the VNNI body where the build has it (unsigned x + 128, then
+        # 128 * sum(w) off again), the same sums either way.
+        got = cpu_kernels.int8_matmul_acc(xq, wq, lib=lib, wsum=wsum)
+        assert torch.equal(got.long(), oracle), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", range(1, 9))
+def test_int8_linear_against_float64(dtype: torch.dtype, m: int) -> None:
+    """Int8Linear (the VNNI body where there is one) against its definition in float64:
+    the rows and weights quantized per row, summed and rescaled, for 1..8 rows and odd
+    sizes (n not whole blocks of 4 rows, k not whole 64-byte lines)."""
+    g = torch.Generator().manual_seed(100 + m)
+    n, k = 37, 203
+    w = torch.randn(n, k, generator=g)
+    lin = Int8Linear(w)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    got = lin(x)
+    xq, sx = cpu_kernels.int8_quantize_rows(x.contiguous())
+    want = (xq.double() @ lin.weight_q.double().t()) * sx.double()[:, None] \
+        * lin.weight_scale.double()[None, :]
+    # float32: the kernel's float32 rescale against float64's (a few ulps); bfloat16: one
+    # rounding step of the output either way
+    rtol = 1e-6 if dtype == torch.float32 else 2.0 ** -8
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-6)
+    # and near the float product itself (the quantization's own error)
+    err = (got.double() - x.double() @ w.double().t()).abs().max()
+    assert err < 0.05 * (x.double() @ w.double().t()).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -129,7 +129,8 @@ def _load() -> ctypes.CDLL | None:
                            ("rotary", [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]),
                            ("small_matmul", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
                            ("decoder_stack", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
-                           ("decoder_stack_q", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr])):
+                           ("decoder_stack_q", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
+                           ("decoder_stack_l", [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr])):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
@@ -375,6 +376,12 @@ def decoder_stack_quantized(dtype: torch.dtype) -> ctypes._CFuncPtr:
     return _fn("decoder_stack_q", dtype)
 
 
+def decoder_stack_mixed(dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """The decoder stack over per-linear descriptors (``linear_t``: plain or int8;
+    quantization="int8")."""
+    return _fn("decoder_stack_l", dtype)
+
+
 @dataclass(slots=True)
 class SmallMatmulWeight:
     """A linear weight ``[n, k]`` as :func:`small_matmul` reads it: the plain tensor in
@@ -543,12 +550,17 @@ def bind_int8_kernels(lib: ctypes.CDLL) -> None:
     lib.int8_matmul_acc.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.int8_matmul_isa.restype = ctypes.c_int
     lib.int8_matmul_isa.argtypes = []
+    lib.int8_matmul_acc_vnni.restype = ctypes.c_int
+    lib.int8_matmul_acc_vnni.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
 
 
 def int8_matmul_acc(xq: torch.Tensor, wq: torch.Tensor, out: torch.Tensor | None = None,
-                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                    lib: ctypes.CDLL | None = None,
+                    wsum: torch.Tensor | None = None) -> torch.Tensor:
     """The exact int32 sums ``xq @ wq.T`` of int8 ``xq`` ``[m, k]`` and ``wq`` ``[n, k]``
-    (what ``torch._int_mm(xq, wq.t())`` returns), into ``out`` if given."""
+    (what ``torch._int_mm(xq, wq.t())`` returns), into ``out`` if given. With ``wsum``
+    (int32 ``[n]``, each weight row's sum: :func:`int8_weight_sums`) the AVX512-VNNI body
+    runs where the library has it."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
     (m, k), n = xq.shape, wq.shape[0]
@@ -556,9 +568,33 @@ def int8_matmul_acc(xq: torch.Tensor, wq: torch.Tensor, out: torch.Tensor | None
     if out is None:
         out = torch.empty(m, n, dtype=torch.int32)
     assert out.shape == (m, n) and out.dtype == torch.int32 and out.is_contiguous()
-    if lib.int8_matmul_acc(xq.data_ptr(), wq.data_ptr(), out.data_ptr(), m, n, k) != 0:
+    rc = -2
+    if wsum is not None:
+        assert wsum.dtype == torch.int32 and wsum.shape == (n,) and wsum.is_contiguous()
+        rc = lib.int8_matmul_acc_vnni(xq.data_ptr(), wq.data_ptr(), wsum.data_ptr(),
+                                      out.data_ptr(), m, n, k)
+    if rc == -2:  # no VNNI body in this build
+        rc = lib.int8_matmul_acc(xq.data_ptr(), wq.data_ptr(), out.data_ptr(), m, n, k)
+    if rc != 0:
         raise MemoryError("int8 matmul could not allocate its scratch space")
     return out
+
+
+def int8_weight_sums(wq: torch.Tensor) -> torch.Tensor:
+    """Each int8 weight row's sum (int32 ``[n]``): the correction the VNNI body of
+    :func:`int8_matmul_acc` subtracts (times 128) for its unsigned activations."""
+    return wq.sum(dim=1, dtype=torch.int32).contiguous()
+
+
+def int8_matmul_has_vnni(lib: ctypes.CDLL | None = None) -> bool:
+    """True where :func:`int8_matmul_acc` has its AVX512-VNNI body (given ``wsum``)."""
+    lib = lib or kernel_library()
+    assert lib is not None, "call supports() first"
+    z = torch.zeros(1, 1, dtype=torch.int8)
+    out = torch.empty(1, 1, dtype=torch.int32)
+    s = torch.zeros(1, dtype=torch.int32)
+    return lib.int8_matmul_acc_vnni(z.data_ptr(), z.data_ptr(), s.data_ptr(), out.data_ptr(),
+                                    1, 1, 1) != -2
 
 
 def int8_matmul_isa(lib: ctypes.CDLL | None = None) -> str:

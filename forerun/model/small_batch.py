@@ -21,6 +21,12 @@ With ``quantization="gguf"`` (every layer linear a :class:`GGUFLinear`) the same
 with the GGUF matmul (``csrc/gguf_matmul.c``: the 32-value types and the K-quants alike) in
 place of the small matmul: the table's weight addresses are then the linears' block
 descriptors, no copy is made, and a step reads each weight in its GGUF blocks.
+
+With ``quantization="int8"`` a layer holds :class:`Int8Linear` (o, gate/up, down) beside a
+plain q/k/v: the stack then takes a descriptor per linear (``linear_t`` of
+``decoder_stack.c``: the packed weight, or the int8 rows with their scales and row sums) and
+runs each with its own kernel, the int8 ones as ``Int8Linear.forward`` does op by op (the
+same row quantization, exact integer sums, the same rescale).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from forerun.model.attention import AttentionMetadata, KVCache
 from forerun.model.layers import GatedMLP
 from forerun.model.moe import FusedMoE
 from forerun.model.quant.gguf_linear import GGUFLinear
+from forerun.model.quant.int8_linear import Int8Linear
 
 if TYPE_CHECKING:
     from forerun.model.llama import LlamaForCausalLM
@@ -64,6 +71,16 @@ class _StackArgs(ctypes.Structure):
         ("layer_tables", ctypes.c_void_p),
         ("kv_type", ctypes.c_int64),
     ]
+
+
+class _LinearDesc(ctypes.Structure):
+    """``linear_t`` of decoder_stack.c: one linear of a stack of mixed kinds."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("wsum", ctypes.c_void_p)]
+
+
+_LIN_PLAIN, _LIN_INT8 = 0, 1  # linear_t's kinds
 
 
 def unsupported_features(model: LlamaForCausalLM) -> list[str]:
@@ -155,9 +172,10 @@ class SmallBatchStack:
         # bfloat16 packs column pairs: every inner dimension must be even.
         self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
                                               cfg.num_attention_heads * cfg.head_dim))
-        # True/False once pack() has seen the layers: GGUF blocks (quantization="gguf")
-        # or plain weights.
-        self.quantized: bool | None = None
+        # Once pack() or applies() has seen the layers: "gguf" (every layer linear in GGUF
+        # blocks), "plain" (every one an nn.Linear), "int8" (Int8Linear beside plain ones).
+        self.mode: str | None = None
+        self._descs: list[_LinearDesc] = []  # "int8": the table's linear_t, kept alive
         self._default_tokens: dict[torch.dtype, int] = {}  # max_tokens' default per dtype
 
     def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
@@ -174,27 +192,38 @@ class SmallBatchStack:
         return [(i, layer.mlp) for i, layer in enumerate(self.model.model.layers)
                 if isinstance(layer.mlp, FusedMoE)]
 
-    def _mode(self) -> bool | None:
-        """True: every layer linear (and expert) is in GGUF blocks; False: every one is a
-        plain ``nn.Linear`` (and stacked float experts); None: a mix or another kind
-        (int8), which the stack cannot run."""
+    @property
+    def quantized(self) -> bool | None:
+        """True: the layers' linears are GGUF blocks; False: they are not; None: not known
+        yet."""
+        return None if self.mode is None else self.mode == "gguf"
+
+    def _mode(self) -> str | None:
+        """"gguf": every layer linear (and expert) is in GGUF blocks; "plain": every one is
+        a plain ``nn.Linear`` (and stacked float experts); "int8": dense layers whose
+        linears are :class:`Int8Linear` or plain; None: another mix, which the stack
+        cannot run."""
         if not all(isinstance(layer.mlp, GatedMLP | FusedMoE)
                    for layer in self.model.model.layers):
             return None
-        kinds = {True if isinstance(m, GGUFLinear) else False
+        kinds = {"gguf" if isinstance(m, GGUFLinear) else "int8"
+                 if isinstance(m, Int8Linear) else "plain"
                  if isinstance(m, torch.nn.Linear) else None
                  for _, m in self._layer_linears()}
-        kinds |= {moe.quant_experts is not None for _, moe in self._moe_layers()}
+        kinds |= {"gguf" if moe.quant_experts is not None else "plain"
+                  for _, moe in self._moe_layers()}
+        if kinds <= {"int8", "plain"} and "int8" in kinds:
+            return "int8" if not self._moe_layers() else None
         if None in kinds or len(kinds) > 1:
             return None
-        return kinds == {True}
+        return kinds.pop() if kinds else "plain"
 
     def can_run(self, dtype: torch.dtype) -> bool:
         """True if this path has a fast body for ``dtype`` and the model's linears."""
-        mode = self._mode() if self.quantized is None else self.quantized
+        mode = self._mode() if self.mode is None else self.mode
         if mode is None:
             return False
-        return mode or cpu_kernels.small_matmul_is_fast(dtype)
+        return mode == "gguf" or cpu_kernels.small_matmul_is_fast(dtype)
 
     def max_tokens(self, dtype: torch.dtype) -> int:
         """The largest step this path takes: ``FORERUN_SMALL_BATCH_TOKENS`` if set; else 128
@@ -202,17 +231,18 @@ class SmallBatchStack:
         tiles past 8 rows, or AMX tiles), 64 for GGUF blocks where their tile kernel is
         512-bit (AVX512-VNNI: 8 activation rows per pass over a group held in L1; 16 streams
         of a 1B Q4_K_M decode 1.15-1.25x faster at 32 than at 8, one core), and 8 otherwise
-        (past 8 rows the float32 and other bodies read each weight again per few rows)."""
+        (past 8 rows the float32 and other bodies, int8's among them, read each weight
+        again per few rows)."""
         limit = envs.small_batch_tokens()
         if limit is not None:
             return limit
         default = self._default_tokens.get(dtype)
         if default is None:  # asked every step
-            if self.quantized:
+            if self.mode == "gguf":
                 wide = cpu_kernels.quant_matmul_isa() == "avx512vnni"
                 default = 64 if wide else 8
             else:
-                tiles = (dtype == torch.bfloat16 and self.quantized is False
+                tiles = (dtype == torch.bfloat16 and self.mode == "plain"
                          and cpu_kernels.small_matmul_is_fast(dtype))
                 default = 128 if tiles else 8
             self._default_tokens[dtype] = default
@@ -222,14 +252,14 @@ class SmallBatchStack:
         """True if a step whose embeddings are ``x`` ``[T, hidden]`` takes this path."""
         if not (self.available and x.dim() == 2 and cpu_kernels.supports(x.dtype, x.device)):
             return False
-        if self.quantized is None:
-            self.quantized = self._mode()
-            if self.quantized is None:
+        if self.mode is None:
+            self.mode = self._mode()
+            if self.mode is None:
                 self.available = False
                 return False
         if x.shape[0] > self.max_tokens(x.dtype):
             return False
-        if self.quantized:
+        if self.mode == "gguf":
             return True
         if self._has_moe and x.dtype != torch.float32:
             return False  # plain experts in bfloat16 would need packed copies of them all
@@ -241,14 +271,15 @@ class SmallBatchStack:
         needs the plain weights, so it runs before they are reordered for oneDNN."""
         if self._linears is not None:
             return
-        if self.quantized is None:
-            self.quantized = self._mode()
+        if self.mode is None:
+            self.mode = self._mode()
         # Before prepacking reorders the routers for oneDNN (their plain rows are read here).
         self._moe_entries = {i: self._moe_entry(moe) for i, moe in self._moe_layers()}
         linears: dict[str, cpu_kernels.SmallMatmulWeight] = {}
-        if self.quantized is False:
+        if self.mode in ("plain", "int8"):
             for key, module in self._layer_linears():
-                linears[key] = cpu_kernels.pack_small_matmul_weight(module.weight)
+                if not isinstance(module, Int8Linear):
+                    linears[key] = cpu_kernels.pack_small_matmul_weight(module.weight)
         if self.model.quant_head is None:
             head = self.model.lm_head
             linears["head"] = cpu_kernels.pack_small_matmul_weight(
@@ -256,16 +287,18 @@ class SmallBatchStack:
         # A step streams these one after another: in huge pages it streams them at the rate
         # of one long read (see huge_pages.py). The bfloat16 copies and the GGUF blocks move
         # there; float32 reads the model's own weights, which a second copy would double.
+        # The int8 linears' rows move there too (their own tensors: op by op reads the same).
         packed = [w for w in linears.values() if w.data.dtype == torch.bfloat16]
-        gguf = [m for _, m in self._layer_linears()] if self.quantized else []
-        if self.quantized and isinstance(self.model.quant_head, GGUFLinear):
-            gguf.append(self.model.quant_head)
-        tiles = [t for m in gguf for t in m.resident_tensors()]
+        owned: list[GGUFLinear | Int8Linear] = [
+            m for _, m in self._layer_linears() if isinstance(m, GGUFLinear | Int8Linear)]
+        if self.mode == "gguf" and isinstance(self.model.quant_head, GGUFLinear):
+            owned.append(self.model.quant_head)
+        tiles = [t for m in owned for t in m.resident_tensors()]
         if packed or tiles:
             copies = iter(huge_pages.arena_copy([w.data for w in packed] + tiles))
             for w in packed:
                 w.data = next(copies)
-            for m in gguf:
+            for m in owned:
                 m.relocate([next(copies) for _ in m.resident_tensors()])
         self._linears = linears
 
@@ -278,9 +311,12 @@ class SmallBatchStack:
         self.pack()
         assert self._linears is not None
         total = sum(w.data.numel() * w.data.element_size() for w in self._linears.values())
-        if self.quantized:
+        if self.mode == "gguf":
             total += sum(raw.numel() for _, m in self._layer_linears()
                          for raw in m.resident_tensors())
+        elif self.mode == "int8":  # the rows and scales (the row sums are read once each)
+            total += sum(m.weight_q.numel() + 4 * m.weight_scale.numel()
+                         for _, m in self._layer_linears() if isinstance(m, Int8Linear))
         head = self.model.quant_head
         if head is not None:
             total += sum(raw.numel() for raw in head.resident_tensors())
@@ -296,8 +332,12 @@ class SmallBatchStack:
         if self._weights is None:
             self.pack()
             assert self._linears is not None
-            if self.quantized:  # the GGUF linears' block descriptors
+            if self.mode == "gguf":  # the GGUF linears' block descriptors
                 w = {k: ctypes.addressof(m.desc) for k, m in self._layer_linears()}
+            elif self.mode == "int8":  # a linear_t per linear
+                self._descs = [self._linear_desc(k, m) for k, m in self._layer_linears()]
+                w = {k: ctypes.addressof(d)
+                     for (k, _), d in zip(self._layer_linears(), self._descs, strict=True)}
             else:
                 w = {k: _addr(v.data) for k, v in self._linears.items()}
             rows = []
@@ -323,6 +363,16 @@ class SmallBatchStack:
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
                 -1, _NUM_LAYER_PTRS)
         return self._weights
+
+    def _linear_desc(self, key: str, module: torch.nn.Module) -> _LinearDesc:
+        """``linear_t`` of one layer linear: its int8 rows, scales and row sums, or the
+        packed copy :meth:`pack` made."""
+        if isinstance(module, Int8Linear):
+            return _LinearDesc(kind=_LIN_INT8, w=module.weight_q.data_ptr(),
+                               scale=module.weight_scale.data_ptr(),
+                               wsum=module.weight_sum.data_ptr())
+        assert self._linears is not None
+        return _LinearDesc(kind=_LIN_PLAIN, w=self._linears[key].data.data_ptr())
 
     def _moe_entry(self, moe: FusedMoE) -> tuple[int, int]:
         """A MoE layer's table entries: its router as float32 [E, H], and each expert's
@@ -379,7 +429,8 @@ class SmallBatchStack:
         keep, a.layer_tables = self._group_tables(meta, block_tables.stride(0))
         residual = torch.empty_like(x)
         final_norm = self.model.model.norm.weight
-        stack = (cpu_kernels.decoder_stack_quantized if self.quantized
+        stack = (cpu_kernels.decoder_stack_quantized if self.mode == "gguf"
+                 else cpu_kernels.decoder_stack_mixed if self.mode == "int8"
                  else cpu_kernels.decoder_stack)
         rc = stack(x.dtype)(
             table.shape[0], table.data_ptr(), _addr(final_norm), x.data_ptr(),

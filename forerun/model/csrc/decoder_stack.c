@@ -86,13 +86,75 @@ int paged_attention_kvq(const void *, int64_t, const void *, const void *, const
                         const int64_t *, void *, int64_t, int64_t, int64_t, int64_t, int64_t,
                         float, int64_t, float, const float *, int64_t);
 
+int int8_quantize_rows_f32(const float *, int8_t *, float *, int64_t, int64_t);
+int int8_quantize_rows_bf16(const uint16_t *, int8_t *, float *, int64_t, int64_t);
+int int8_dequant_f32(const int32_t *, const float *, const float *, const float *, float *,
+                     int64_t, int64_t);
+int int8_dequant_bf16(const int32_t *, const float *, const float *, const uint16_t *,
+                      uint16_t *, int64_t, int64_t);
+int int8_matmul_acc(const int8_t *, const int8_t *, int32_t *, int64_t, int64_t, int64_t);
+int int8_matmul_acc_vnni(const int8_t *, const int8_t *, const int32_t *, int32_t *, int64_t,
+                         int64_t, int64_t);
+
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
+
+/* ---- a stack of mixed linears (quantization="int8") -------------------------------------
+ * int8 layers keep their fused q/k/v in the model's dtype (int8_linear.KEEP_FLOAT), so a
+ * layer holds linears of two kinds; each weight "address" of such a stack is a linear_t
+ * (small_batch.py's _LinearDesc), and linear_matmul_* runs the kernel of its kind. */
+enum { LIN_PLAIN = 0, LIN_INT8 = 1 };
+typedef struct {
+    int64_t kind;
+    const void *w;       /* LIN_PLAIN: small_matmul's form; LIN_INT8: int8 rows [n, k] */
+    const float *scale;  /* LIN_INT8: per output channel [n] */
+    const int32_t *wsum; /* LIN_INT8: each row's sum [n] (the VNNI body's), or NULL */
+} linear_t;
+
+/* quantization="int8"'s linear, as Int8Linear.forward runs it op by op (the same row
+ * quantization, exact integer sums, the same rescale: the same bits). */
+#define DEFINE_INT8_LINEAR(T, SFX)                                                              \
+    static int int8_linear_##SFX(const T *x, const linear_t *l, const T *bias, T *y, int64_t m, \
+                                 int64_t n, int64_t k) {                                        \
+        int8_t *xq = malloc((size_t)(m * k));                                                   \
+        float *sx = malloc(sizeof(float) * (size_t)m);                                          \
+        int32_t *acc = malloc(sizeof(int32_t) * (size_t)(m * n));                               \
+        int rc = xq && sx && acc ? 0 : -1;                                                      \
+        if (rc == 0) {                                                                          \
+            int8_quantize_rows_##SFX(x, xq, sx, m, k);                                          \
+            rc = l->wsum ? int8_matmul_acc_vnni(xq, l->w, l->wsum, acc, m, n, k) : -2;          \
+            if (rc == -2) rc = int8_matmul_acc(xq, l->w, acc, m, n, k);                         \
+            if (rc == 0) int8_dequant_##SFX(acc, sx, l->scale, bias, y, m, n);                  \
+        }                                                                                       \
+        free(xq);                                                                               \
+        free(sx);                                                                               \
+        free(acc);                                                                              \
+        return rc;                                                                              \
+    }                                                                                           \
+    static int linear_matmul_##SFX(const T *x, const void *desc, const T *bias, T *y,           \
+                                   int64_t m, int64_t n, int64_t k) {                           \
+        const linear_t *l = desc;                                                               \
+        switch (l->kind) {                                                                      \
+        case LIN_PLAIN: return small_matmul_##SFX(x, l->w, bias, y, m, n, k);                   \
+        case LIN_INT8: return int8_linear_##SFX(x, l, bias, y, m, n, k);                        \
+        default: return -2;                                                                     \
+        }                                                                                       \
+    }
+DEFINE_INT8_LINEAR(float, f32)
+DEFINE_INT8_LINEAR(uint16_t, bf16)
 
 /* A plain bfloat16 stack has no MoE body (its experts would need packed copies): such
  * models do not take the path (small_batch.py), and this is never called. */
 static int moe_block_none(const uint16_t *h, uint16_t *out, int64_t t, int64_t hidden,
                           int64_t e, int64_t k, int64_t i, int64_t renormalize,
                           const float *router, const int64_t *experts) {
+    (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i, (void)renormalize;
+    (void)router, (void)experts;
+    return -2;
+}
+
+static int moe_block_none_f32(const float *h, float *out, int64_t t, int64_t hidden, int64_t e,
+                              int64_t k, int64_t i, int64_t renormalize, const float *router,
+                              const int64_t *experts) {
     (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i, (void)renormalize;
     (void)router, (void)experts;
     return -2;
@@ -182,3 +244,6 @@ DEFINE_STACK(float, f32, small_matmul_f32, moe_block_f32, decoder_stack_f32)
 DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, moe_block_none, decoder_stack_bf16)
 DEFINE_STACK(float, f32, gguf_matmul_f32, moe_block_q_f32, decoder_stack_q_f32)
 DEFINE_STACK(uint16_t, bf16, gguf_matmul_bf16, moe_block_q_bf16, decoder_stack_q_bf16)
+/* Mixed linears (linear_t): dense MLPs only (small_batch.py sends no MoE model here). */
+DEFINE_STACK(float, f32, linear_matmul_f32, moe_block_none_f32, decoder_stack_l_f32)
+DEFINE_STACK(uint16_t, bf16, linear_matmul_bf16, moe_block_none, decoder_stack_l_bf16)

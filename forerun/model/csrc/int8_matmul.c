@@ -118,6 +118,102 @@ static void dot_block(const int16_t *x16, const int8_t *w, int64_t k, int mr, in
         }
 }
 
+/* ---- AVX512-VNNI ---------------------------------------------------------------------------
+ * vpdpbusd multiplies unsigned by signed bytes and sums each 4 products into an int32 lane
+ * (no saturation: the vpdpbusds form saturates), 64 weight bytes per instruction against
+ * the madd body's widen + madd + add per 32. The activations are made unsigned as xu = x + 128
+ * (x ^ 0x80 as a byte; |x| <= 127, so 1..255), which adds 128 * sum(w[c]) to row c's sum: the
+ * caller's wsum, each weight row's sum, precomputed at load, takes it off again. The sums
+ * stay exact: |lane| <= 255 * 127 * k / 16 < 2^31 for k < 2^16. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HAVE_VNNI 1
+#ifndef I8_AHEAD
+#define I8_AHEAD 16384
+#endif
+#define DEFINE_VNNI_BLOCK(MR)                                                                 \
+    static void vnni_block_##MR(const uint8_t *xu, const int8_t *w, int64_t k,              \
+                                int32_t acc[MB][NB]) {                                      \
+        __m512i s[MR][NB];                                                                  \
+        for (int r = 0; r < MR; ++r)                                                        \
+            for (int c = 0; c < NB; ++c) s[r][c] = _mm512_setzero_si512();                  \
+        int64_t t = 0;                                                                      \
+        for (; t + 64 <= k; t += 64) {                                                      \
+            __m512i wv[NB];                                                                 \
+            for (int c = 0; c < NB; ++c) {                                                  \
+                if (I8_AHEAD) _mm_prefetch((const char *)(w + c * k + t + I8_AHEAD), _MM_HINT_T0); \
+                wv[c] = _mm512_loadu_si512(w + c * k + t);                                  \
+            }                                                                               \
+            for (int r = 0; r < MR; ++r) {                                                  \
+                const __m512i xv = _mm512_loadu_si512(xu + r * k + t);                      \
+                for (int c = 0; c < NB; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], xv, wv[c]); \
+            }                                                                               \
+        }                                                                                   \
+        if (t < k) { /* zeros past the row's end on both sides: products of 0 */            \
+            const __mmask64 mask = (__mmask64)(~0ULL >> (64 - (k - t)));                    \
+            __m512i wv[NB];                                                                 \
+            for (int c = 0; c < NB; ++c) wv[c] = _mm512_maskz_loadu_epi8(mask, w + c * k + t); \
+            for (int r = 0; r < MR; ++r) {                                                  \
+                const __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + r * k + t);           \
+                for (int c = 0; c < NB; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], xv, wv[c]); \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < MR; ++r)                                                        \
+            for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_reduce_add_epi32(s[r][c]);      \
+    }
+DEFINE_VNNI_BLOCK(1)
+DEFINE_VNNI_BLOCK(2)
+DEFINE_VNNI_BLOCK(3)
+DEFINE_VNNI_BLOCK(4)
+#endif
+
+/* Integer sums acc [m, n] of xq [m, k] against wq [n, k] on AVX512-VNNI, given wsum [n] (each
+ * weight row's sum); the same sums as int8_matmul_acc. -2 where this build has no VNNI body
+ * (nothing is done), -1 if scratch cannot be had. */
+int int8_matmul_acc_vnni(const int8_t *xq, const int8_t *wq, const int32_t *wsum, int32_t *out,
+                         int64_t m, int64_t n, int64_t k) {
+#ifdef HAVE_VNNI
+    uint8_t *xu = (uint8_t *)malloc((size_t)(m * k));
+    if (!xu) return -1;
+    for (int64_t i = 0; i < m * k; ++i) xu[i] = (uint8_t)xq[i] ^ 0x80u;
+    const int64_t nblocks = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(static) if (n * k > 65536)
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t c0 = b * NB;
+        const int nc = (int)(n - c0 < NB ? n - c0 : NB);
+        for (int64_t r0 = 0; r0 < m; r0 += MB) {
+            const int mr = (int)(m - r0 < MB ? m - r0 : MB);
+            int32_t acc[MB][NB];
+            if (nc == NB) {
+                const uint8_t *x = xu + r0 * k;
+                const int8_t *w = wq + c0 * k;
+                switch (mr) {
+                case 1: vnni_block_1(x, w, k, acc); break;
+                case 2: vnni_block_2(x, w, k, acc); break;
+                case 3: vnni_block_3(x, w, k, acc); break;
+                default: vnni_block_4(x, w, k, acc); break;
+                }
+                for (int r = 0; r < mr; ++r)
+                    for (int c = 0; c < NB; ++c)
+                        out[(r0 + r) * n + c0 + c] = acc[r][c] - 128 * wsum[c0 + c];
+            } else { /* a last block of fewer than NB weight rows: signed sums as they are */
+                for (int r = 0; r < mr; ++r)
+                    for (int c = 0; c < nc; ++c) {
+                        int32_t sum = 0;
+                        for (int64_t t = 0; t < k; ++t)
+                            sum += (int32_t)xq[(r0 + r) * k + t] * (int32_t)wq[(c0 + c) * k + t];
+                        out[(r0 + r) * n + c0 + c] = sum;
+                    }
+            }
+        }
+    }
+    free(xu);
+    return 0;
+#else
+    (void)xq, (void)wq, (void)wsum, (void)out, (void)m, (void)n, (void)k;
+    return -2;
+#endif
+}
+
 /* Integer sums acc [m, n] of xq [m, k] against wq [n, k]; -1 if scratch cannot be had. */
 int int8_matmul_acc(const int8_t *xq, const int8_t *wq, int32_t *out, int64_t m, int64_t n,
                     int64_t k) {

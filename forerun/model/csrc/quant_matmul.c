@@ -997,10 +997,13 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
 /* ---- quantization="int8": the elementwise ends of an int8 x int8 -> int32 GEMM ------------
  * Per-token (row) dynamic quantization of activations, and the int32 -> float epilogue with
  * the row and per-output-channel scales, each one pass over memory (in torch each is several
- * passes over tensors as large as the GEMM's output, which would eat its speed-up). */
+ * passes over tensors as large as the GEMM's output, which would eat its speed-up). A decode
+ * step's few rows stay on the calling thread: a thread team's wake-up costs more than they
+ * do, three times per linear (rows are independent, so the result is the same either way). */
 #define DEFINE_INT8_ENDS(T, SFX, LOAD, STORE)                                                   \
     int int8_quantize_rows_##SFX(const T *x, int8_t *q, float *s, int64_t m, int64_t k) {       \
-        _Pragma("omp parallel for schedule(static)") for (int64_t i = 0; i < m; ++i) {         \
+        _Pragma("omp parallel for schedule(static) if (m * k > 32768)")                         \
+        for (int64_t i = 0; i < m; ++i) {                                                       \
             const T *xi = x + i * k;                                                            \
             float amax = 0.f;                                                                   \
             for (int64_t j = 0; j < k; ++j) amax = fmaxf(amax, fabsf(LOAD(xi[j])));             \
@@ -1012,7 +1015,8 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
     }                                                                                           \
     int int8_dequant_##SFX(const int32_t *acc, const float *sx, const float *sw, const T *bias, \
                            T *y, int64_t m, int64_t n) {                                        \
-        _Pragma("omp parallel for schedule(static)") for (int64_t i = 0; i < m; ++i) {         \
+        _Pragma("omp parallel for schedule(static) if (m * n > 32768)")                         \
+        for (int64_t i = 0; i < m; ++i) {                                                       \
             const float si = sx[i];                                                             \
             for (int64_t j = 0; j < n; ++j) {                                                   \
                 const float v = (float)acc[i * n + j] * si * sw[j];                             \

@@ -73,6 +73,9 @@ class Int8Linear(nn.Module):
         # takes it as the column-major B operand without a copy.
         self.weight_q = q
         self.weight_scale = s
+        # Each row's sum: the AVX512-VNNI body multiplies unsigned activations (x + 128) and
+        # takes 128 * this off again (csrc/int8_matmul.c).
+        self.weight_sum = cpu_kernels.int8_weight_sums(q)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +97,8 @@ class Int8Linear(nn.Module):
             xq = torch.round(xf * inv[:, None]).to(torch.int8)
         if kernels and _own_kernel_for(xq.shape[0]):
             acc = cpu_kernels.int8_matmul_acc(
-                xq, self.weight_q, _int32_workspace(xq.shape[0], self.out_features))
+                xq, self.weight_q, _int32_workspace(xq.shape[0], self.out_features),
+                wsum=self.weight_sum)
         elif kernels:
             acc = torch._int_mm(xq, self.weight_q.t(),
                                 out=_int32_workspace(xq.shape[0], self.out_features))
@@ -110,8 +114,14 @@ class Int8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def resident_tensors(self) -> list[torch.Tensor]:
-        """int8 rows and scales (for :func:`forerun.model.quant.resident_weight_bytes`)."""
-        return [self.weight_q, self.weight_scale]
+        """int8 rows, scales and row sums (for
+        :func:`forerun.model.quant.resident_weight_bytes`)."""
+        return [self.weight_q, self.weight_scale, self.weight_sum]
+
+    def relocate(self, tensors: list[torch.Tensor]) -> None:
+        """Take copies of :meth:`resident_tensors` (in that order; the small-batch path moves
+        them into huge pages)."""
+        self.weight_q, self.weight_scale, self.weight_sum = tensors
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
