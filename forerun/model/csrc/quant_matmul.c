@@ -493,7 +493,7 @@ static inline __m256 u8x8_to_ps(__m128i v, int high) {
  * in int32. */
 static inline __attribute__((always_inline)) void group_kt_m(
     const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
-    int64_t k, const int m, const int q5, float out[MAXM][GR]) {
+    int64_t k, const int m, const int q5, float out[MAXM_K][GR]) {
     const int64_t nb = k / QK, tb = KT_BYTES(q5);
     const __m256i low4 = _mm256_set1_epi8(0x0f), bit = _mm256_set1_epi8(1);
     const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
@@ -616,7 +616,7 @@ static inline __attribute__((always_inline)) void group_kt_m(
 /* Plain C: the same function, row by row. */
 static inline void group_kt_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
                               const float *sa, const float *ssa, int64_t k, const int m,
-                              const int q5, float out[MAXM][GR]) {
+                              const int q5, float out[MAXM_K][GR]) {
     const int64_t nb = k / QK;
     for (int i = 0; i < m; ++i)
         for (int r = 0; r < GR; ++r) out[i][r] = 0.f;
@@ -652,7 +652,7 @@ static inline void group_kt_m(const uint8_t *tiles, int64_t nsb, const int8_t *q
 /* Q4_K / Q5_K tiles (q5) of a group against m activation rows, m a constant per instance. */
 static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa,
                      const float *sa, const float *ssa, int64_t k, int64_t m,
-                     float out[MAXM][GR]) {
+                     float out[MAXM_K][GR]) {
 #define KT_CASE(M)                                                                              \
     (q5 ? group_kt_m(tiles, nsb, qa, sa, ssa, k, M, 1, out)                                     \
         : group_kt_m(tiles, nsb, qa, sa, ssa, k, M, 0, out))
@@ -779,7 +779,7 @@ static inline __m256i pair16(__m256i s) {
  * fast at 64 and 512 rows, one core). */
 static inline __attribute__((always_inline)) void group_q6k_m(
     const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
-    int64_t k, const int m, float out[MAXM][GR]) {
+    int64_t k, const int m, float out[MAXM_K][GR]) {
     const int64_t nb = k / QK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
     /* Both halves of the 16 rows in one pass for one activation row (a decode step reads
@@ -868,7 +868,7 @@ static inline __attribute__((always_inline)) void group_q6k_m(
 #else
 static inline void group_q6k_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
                                const float *sa, const float *ss16, int64_t k, const int m,
-                               float out[MAXM][GR]) {
+                               float out[MAXM_K][GR]) {
     const int64_t nb = k / QK;
     (void)ss16;
     for (int i = 0; i < m; ++i)
@@ -904,7 +904,7 @@ static inline void group_q6k_m(const uint8_t *tiles, int64_t nsb, const int8_t *
 #endif
 
 static void group_q6k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
-                      const float *ss16, int64_t k, int64_t m, float out[MAXM][GR]) {
+                      const float *ss16, int64_t k, int64_t m, float out[MAXM_K][GR]) {
     switch (m) {
     case 1: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 1, out); return;
     case 2: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 2, out); return;
