@@ -32,7 +32,10 @@ def _int32_workspace(m: int, n: int) -> torch.Tensor:
     next linear runs on the same thread."""
     buf = getattr(_workspace, "buf", None)
     if buf is None or buf.numel() < m * n:
-        buf = torch.empty(m * n, dtype=torch.int32)
+        # Outside inference mode: a buffer made inside it could not be written by a later
+        # call outside it (in-place updates to inference tensors are refused).
+        with torch.inference_mode(False):
+            buf = torch.empty(m * n, dtype=torch.int32)
         _workspace.buf = buf
     return buf[: m * n].view(m, n)
 
