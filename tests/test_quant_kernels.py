@@ -76,6 +76,17 @@ def test_gguf_matmul_matches_float64_oracle(gguf_paths, qtype: GT, shape) -> Non
         _check(_run(lin, x, path, lib), x, wd)
 
 
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_every_row_tail_of_the_many_row_passes(gguf_paths, qtype: GT) -> None:
+    """Activation rows run in passes of 4 (8 in the 512-bit body), each count its own
+    compiled instance: 2, 4 and 6 rows, and 13 and 15 (a whole pass of 8 then 5 and 7)."""
+    lin, wd = _linear(qtype, 19, 96, seed=11)
+    x = torch.randn(15, 96, generator=torch.Generator().manual_seed(12))
+    for m in (2, 4, 6, 13, 15):
+        for path, lib in gguf_paths:
+            _check(_run(lin, x[:m], path, lib), x[:m], wd)
+
+
 def test_every_available_body_was_checked(gguf_variants) -> None:
     if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler here: only the torch fallback runs")

@@ -152,16 +152,19 @@ static inline __m512 e8m0_half16(const uint8_t *e) {
     return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.5f));
 }
 
-static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
-                       const float *sa, const float *ssa, int64_t k, int64_t m,
-                       float out[MAXM][GR]) {
+/* m a compile-time constant per instance (group_rows below), so each row's sum and
+ * accumulator stay in registers for up to MAXM_K rows; a block's offset term (c times the
+ * activations' scaled sum) goes into the same accumulator. */
+static inline __attribute__((always_inline)) void group_rows_m(
+    int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa, const float *sa,
+    const float *ssa, int64_t k, const int m, float out[MAXM_K][GR]) {
     const int64_t tb = GR * block_bytes(type), hdr = tile_header(type);
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const __m512i mxu = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_U));
     const int mx = type == QT_MXFP4;
     const __m512 cd = _mm512_set1_ps(type == QT_Q4_0 ? -8.f : mx ? -MXFP4_OFFSET : -128.f);
-    __m512 acc[MAXM], cacc[MAXM];
-    for (int64_t i = 0; i < m; ++i) acc[i] = cacc[i] = _mm512_setzero_ps();
+    __m512 acc[MAXM_K];
+    for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *t = tiles + b * tb, *lines = t + hdr;
         const __m512 d = mx ? e8m0_half16(t)
@@ -170,19 +173,16 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
         const __m512 c = type == QT_Q4_1
                              ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)))
                              : _mm512_mul_ps(d, cd);
-        __m512i lo[MAXM], hi[MAXM]; /* two sums per row: shorter dependency chains */
-        for (int64_t i = 0; i < m; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
+        __m512i sum[MAXM_K];
+        for (int i = 0; i < m; ++i) sum[i] = _mm512_setzero_si512();
         if (type == QT_Q8_0) {
-            for (int j = 0; j < 8; j += 2) {
-                const __m512i u0 = _mm512_xor_si512(
+            for (int j = 0; j < 8; ++j) {
+                const __m512i u = _mm512_xor_si512(
                     _mm512_loadu_si512((const void *)(lines + 64 * j)), flip);
-                const __m512i u1 = _mm512_xor_si512(
-                    _mm512_loadu_si512((const void *)(lines + 64 * (j + 1))), flip);
-                for (int64_t i = 0; i < m; ++i) {
+                for (int i = 0; i < m; ++i) {
                     const int8_t *a = qa + i * k + b * QK;
-                    lo[i] = _mm512_dpbusd_epi32(lo[i], u0, _mm512_set1_epi32(act4(a + 4 * j)));
-                    hi[i] = _mm512_dpbusd_epi32(hi[i], u1,
-                                                _mm512_set1_epi32(act4(a + 4 * j + 4)));
+                    sum[i] = _mm512_dpbusd_epi32(sum[i], u, _mm512_set1_epi32(act4(a + 4 * j)));
+                    KEEP_IN_ZMM(sum[i]);
                 }
             }
         } else {
@@ -194,22 +194,41 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
                     u0 = _mm512_shuffle_epi8(mxu, u0);
                     u1 = _mm512_shuffle_epi8(mxu, u1);
                 }
-                for (int64_t i = 0; i < m; ++i) {
+                for (int i = 0; i < m; ++i) {
                     const int8_t *a = qa + i * k + b * QK;
-                    lo[i] = _mm512_dpbusd_epi32(lo[i], u0, _mm512_set1_epi32(act4(a + 4 * j)));
-                    hi[i] = _mm512_dpbusd_epi32(hi[i], u1,
-                                                _mm512_set1_epi32(act4(a + 16 + 4 * j)));
+                    sum[i] = _mm512_dpbusd_epi32(sum[i], u0, _mm512_set1_epi32(act4(a + 4 * j)));
+                    sum[i] = _mm512_dpbusd_epi32(sum[i], u1,
+                                                 _mm512_set1_epi32(act4(a + 16 + 4 * j)));
+                    KEEP_IN_ZMM(sum[i]);
                 }
             }
         }
-        for (int64_t i = 0; i < m; ++i) {
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[i], hi[i]));
-            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(sa[i * nb + b])),
-                                     acc[i]);
-            cacc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(ssa[i * nb + b]), cacc[i]);
+        for (int i = 0; i < m; ++i) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(sa[i * nb + b])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(ssa[i * nb + b]), acc[i]);
         }
     }
-    for (int64_t i = 0; i < m; ++i) _mm512_storeu_ps(out[i], _mm512_add_ps(acc[i], cacc[i]));
+    for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
+                       const float *sa, const float *ssa, int64_t k, int64_t m,
+                       float out[MAXM_K][GR]) {
+    switch (m) {
+    case 1: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 1, out); return;
+    case 2: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 2, out); return;
+    case 3: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 3, out); return;
+#if MAXM_K > 4
+    case 4: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
+    case 5: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 5, out); return;
+    case 6: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 6, out); return;
+    case 7: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 7, out); return;
+    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 8, out); return;
+#else
+    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
+#endif
+    }
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #if defined(__AVXVNNI__)
@@ -970,8 +989,9 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
                 const int64_t r0 = gl * GR;
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
                 float *yc = y + first_row[p] + r0;
-                const int64_t step = type == QT_Q6_K || type == QT_Q4_K || type == QT_Q5_K
-                                         ? MAXM_K : MAXM;
+                /* All tiled types take MAXM_K rows per pass in the 512-bit build (= MAXM
+                 * elsewhere). */
+                const int64_t step = MAXM_K;
                 for (int64_t i = i0; i < i0 + mc; i += step) {
                     const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
                     float out[MAXM_K][GR];
