@@ -419,6 +419,21 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 #define KT_QS(q5) ((q5) ? 768 : 256)     /* offset of the quant lines in a tile */
 #define KT_BYTES(q5) ((q5) ? 2816 : 2304) /* bytes of a tile */
 
+/* Sub-block j's 6-bit scale and min of the 16 rows (one byte each) from a Q4_K/Q5_K tile's
+ * 12 scale lines c (byte c of every row; ggml's get_scale_min_k4, 16 rows at once). */
+static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *mn) {
+    const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
+    if (j < 4) {
+        *sc = _mm_and_si128(c[j], six);
+        *mn = _mm_and_si128(c[j + 4], six);
+    } else {
+        *sc = _mm_or_si128(_mm_and_si128(c[j + 4], lo4),
+                           _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j - 4], 6), two), 4));
+        *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c[j + 4], 4), lo4),
+                           _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 /* All 16 rows of a line in one 512-bit vector: each activation row takes two VNNI
  * instructions per line (sub-blocks 2tp and 2tp + 1) where the 256-bit body below takes four
@@ -428,7 +443,6 @@ static inline __attribute__((always_inline)) void group_kt_m(
     int64_t k, const int m, const int q5, float out[MAXM_K][GR]) {
     const int64_t nb = k / QK, tb = KT_BYTES(q5);
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit = _mm512_set1_epi8(1);
-    const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
     __m512 acc[MAXM_K];
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
@@ -441,20 +455,7 @@ static inline __attribute__((always_inline)) void group_kt_m(
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)));
         for (int tp = 0; tp < 4; ++tp) { /* sub-blocks 2tp (low nibbles), 2tp + 1 (high) */
             __m128i scb[2], mnb[2];
-            for (int e = 0; e < 2; ++e) {
-                const int j = 2 * tp + e;
-                if (j < 4) {
-                    scb[e] = _mm_and_si128(c[j], six);
-                    mnb[e] = _mm_and_si128(c[j + 4], six);
-                } else {
-                    scb[e] = _mm_or_si128(
-                        _mm_and_si128(c[j + 4], lo4),
-                        _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j - 4], 6), two), 4));
-                    mnb[e] = _mm_or_si128(
-                        _mm_and_si128(_mm_srli_epi16(c[j + 4], 4), lo4),
-                        _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
-                }
-            }
+            for (int e = 0; e < 2; ++e) kt_scales(c, 2 * tp + e, &scb[e], &mnb[e]);
             __m512i sum[2][MAXM_K];
             for (int i = 0; i < m; ++i) sum[0][i] = sum[1][i] = _mm512_setzero_si512();
             for (int g = 0; g < 8; ++g) {
@@ -515,7 +516,6 @@ static inline __attribute__((always_inline)) void group_kt_m(
     int64_t k, const int m, const int q5, float out[MAXM_K][GR]) {
     const int64_t nb = k / QK, tb = KT_BYTES(q5);
     const __m256i low4 = _mm256_set1_epi8(0x0f), bit = _mm256_set1_epi8(1);
-    const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
 #if !defined(Q4K_VNNI)
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -542,20 +542,7 @@ static inline __attribute__((always_inline)) void group_kt_m(
             }
             for (int tp = 0; tp < 4; ++tp) { /* sub-blocks 2tp (low nibbles), 2tp + 1 (high) */
                 __m128i scb[2], mnb[2];
-                for (int e = 0; e < 2; ++e) {
-                    const int j = 2 * tp + e;
-                    if (j < 4) {
-                        scb[e] = _mm_and_si128(c[j], six);
-                        mnb[e] = _mm_and_si128(c[j + 4], six);
-                    } else {
-                        scb[e] = _mm_or_si128(
-                            _mm_and_si128(c[j + 4], lo4),
-                            _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j - 4], 6), two), 4));
-                        mnb[e] = _mm_or_si128(
-                            _mm_and_si128(_mm_srli_epi16(c[j + 4], 4), lo4),
-                            _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
-                    }
-                }
+                for (int e = 0; e < 2; ++e) kt_scales(c, 2 * tp + e, &scb[e], &mnb[e]);
                 /* [half][sub-block][activation row]: byte products summed in int16 (or by
                  * VNNI in int32), widened into dot: for Q5_K every 4 lines, as 8 of its sums
                  * could pass 32767 (2 * 31 * 127 each). */
