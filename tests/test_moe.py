@@ -384,7 +384,7 @@ def test_gguf_experts_run_in_their_blocks_close_to_the_exact_engine(
         got = PagedDriver(quant).step([("a", PROMPT)])[0]
         monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
         stacked = PagedDriver(quant).step([("a", PROMPT)])[0]
-        assert quant.small_batch.quantized is True
+        assert quant.small_batch.mode == "gguf"
         torch.testing.assert_close(stacked, got, atol=1e-4, rtol=1e-4)
         # The stack holds the experts' addresses from its first step: the swap below is
         # checked op by op.

@@ -147,6 +147,9 @@ class AttentionMetadata:
     # (first row, end row, row of block_tables, seq_len): SDPA over a copy of their context
     # on a layer without a sliding window.
     context_chunks: list[tuple[int, int, int, int]] | None = None
+    # A sliding layer's C-kernel ranges: kernel_ranges with the long chunks merged back in
+    # (sliding layers keep those in the kernel), built on first use.
+    window_kernel_ranges: list[tuple[int, int]] | None = None
     # A window view's window (torch path of a sliding layer): keys before it are neither
     # gathered nor attended. Views by window, built on first use (:meth:`windowed`).
     window: int | None = None
@@ -248,6 +251,15 @@ class AttentionMetadata:
         self.kernel_split()
         assert self.context_chunks is not None
         return self.context_chunks
+
+    def sliding_kernel_ranges(self) -> list[tuple[int, int]]:
+        """The C kernel's row ranges on a sliding layer: :meth:`kernel_split`'s with the long
+        chunks with context among them, once per step."""
+        if self.window_kernel_ranges is None:
+            _, ranges = self.kernel_split()
+            self.window_kernel_ranges = sorted(
+                ranges + [(c[0], c[1]) for c in self.long_context_chunks()])
+        return self.window_kernel_ranges
 
     @classmethod
     def build(
@@ -646,8 +658,7 @@ def paged_attention(
         fresh, ranges = meta.kernel_split()
         chunks = meta.long_context_chunks()
         if window is not None and chunks:  # see CONTEXT_CHUNK_MIN_TOKENS
-            ranges = sorted(ranges + [(c[0], c[1]) for c in chunks])
-            chunks = []
+            ranges, chunks = meta.sliding_kernel_ranges(), []
         if softcap is not None or sinks is not None:  # SDPA cannot: all to the C kernel
             fresh, ranges, chunks = [], [(0, t)], []
         if fresh and scales is not None:  # fresh prompts read their rows as stored

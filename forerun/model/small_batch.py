@@ -192,12 +192,6 @@ class SmallBatchStack:
         return [(i, layer.mlp) for i, layer in enumerate(self.model.model.layers)
                 if isinstance(layer.mlp, FusedMoE)]
 
-    @property
-    def quantized(self) -> bool | None:
-        """True: the layers' linears are GGUF blocks; False: they are not; None: not known
-        yet."""
-        return None if self.mode is None else self.mode == "gguf"
-
     def _mode(self) -> str | None:
         """"gguf": every layer linear (and expert) is in GGUF blocks; "plain": every one is
         a plain ``nn.Linear`` (and stacked float experts); "int8": dense layers whose

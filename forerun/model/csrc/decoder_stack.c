@@ -142,23 +142,19 @@ typedef struct {
 DEFINE_INT8_LINEAR(float, f32)
 DEFINE_INT8_LINEAR(uint16_t, bf16)
 
-/* A plain bfloat16 stack has no MoE body (its experts would need packed copies): such
- * models do not take the path (small_batch.py), and this is never called. */
-static int moe_block_none(const uint16_t *h, uint16_t *out, int64_t t, int64_t hidden,
-                          int64_t e, int64_t k, int64_t i, int64_t renormalize,
-                          const float *router, const int64_t *experts) {
-    (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i, (void)renormalize;
-    (void)router, (void)experts;
-    return -2;
-}
-
-static int moe_block_none_f32(const float *h, float *out, int64_t t, int64_t hidden, int64_t e,
-                              int64_t k, int64_t i, int64_t renormalize, const float *router,
-                              const int64_t *experts) {
-    (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i, (void)renormalize;
-    (void)router, (void)experts;
-    return -2;
-}
+/* Stacks without a MoE body: plain bfloat16 (its experts would need packed copies) and
+ * mixed int8 linears (dense MLPs only). Such models do not take the path (small_batch.py),
+ * and these are never called. */
+#define DEFINE_MOE_NONE(T, NAME)                                                                \
+    static int NAME(const T *h, T *out, int64_t t, int64_t hidden, int64_t e, int64_t k,        \
+                    int64_t i, int64_t renormalize, const float *router,                        \
+                    const int64_t *experts) {                                                   \
+        (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i;                   \
+        (void)renormalize, (void)router, (void)experts;                                         \
+        return -2;                                                                              \
+    }
+DEFINE_MOE_NONE(uint16_t, moe_block_none)
+DEFINE_MOE_NONE(float, moe_block_none_f32)
 
 /* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
  * (small_matmul over plain/packed weights, or gguf_matmul over GGUF blocks of any type,
@@ -244,6 +240,6 @@ DEFINE_STACK(float, f32, small_matmul_f32, moe_block_f32, decoder_stack_f32)
 DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, moe_block_none, decoder_stack_bf16)
 DEFINE_STACK(float, f32, gguf_matmul_f32, moe_block_q_f32, decoder_stack_q_f32)
 DEFINE_STACK(uint16_t, bf16, gguf_matmul_bf16, moe_block_q_bf16, decoder_stack_q_bf16)
-/* Mixed linears (linear_t): dense MLPs only (small_batch.py sends no MoE model here). */
+/* Mixed linears (linear_t). */
 DEFINE_STACK(float, f32, linear_matmul_f32, moe_block_none_f32, decoder_stack_l_f32)
 DEFINE_STACK(uint16_t, bf16, linear_matmul_bf16, moe_block_none, decoder_stack_l_bf16)

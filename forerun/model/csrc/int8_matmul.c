@@ -127,9 +127,7 @@ static void dot_block(const int16_t *x16, const int8_t *w, int64_t k, int mr, in
  * stay exact: |lane| <= 255 * 127 * k / 16 < 2^31 for k < 2^16. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HAVE_VNNI 1
-#ifndef I8_AHEAD
-#define I8_AHEAD 16384
-#endif
+#define I8_AHEAD 16384 /* bytes of each weight row prefetched ahead of the stream */
 #define DEFINE_VNNI_BLOCK(MR)                                                                 \
     static void vnni_block_##MR(const uint8_t *xu, const int8_t *w, int64_t k,              \
                                 int32_t acc[MB][NB]) {                                      \
@@ -140,7 +138,7 @@ static void dot_block(const int16_t *x16, const int8_t *w, int64_t k, int mr, in
         for (; t + 64 <= k; t += 64) {                                                      \
             __m512i wv[NB];                                                                 \
             for (int c = 0; c < NB; ++c) {                                                  \
-                if (I8_AHEAD) _mm_prefetch((const char *)(w + c * k + t + I8_AHEAD), _MM_HINT_T0); \
+                _mm_prefetch((const char *)(w + c * k + t + I8_AHEAD), _MM_HINT_T0);        \
                 wv[c] = _mm512_loadu_si512(w + c * k + t);                                  \
             }                                                                               \
             for (int r = 0; r < MR; ++r) {                                                  \
@@ -164,17 +162,32 @@ DEFINE_VNNI_BLOCK(1)
 DEFINE_VNNI_BLOCK(2)
 DEFINE_VNNI_BLOCK(3)
 DEFINE_VNNI_BLOCK(4)
+
+static void vnni_block(const uint8_t *xu, const int8_t *w, int64_t k, int mr,
+                       int32_t acc[MB][NB]) {
+    switch (mr) {
+    case 1: vnni_block_1(xu, w, k, acc); return;
+    case 2: vnni_block_2(xu, w, k, acc); return;
+    case 3: vnni_block_3(xu, w, k, acc); return;
+    default: vnni_block_4(xu, w, k, acc); return;
+    }
+}
 #endif
 
-/* Integer sums acc [m, n] of xq [m, k] against wq [n, k] on AVX512-VNNI, given wsum [n] (each
- * weight row's sum); the same sums as int8_matmul_acc. -2 where this build has no VNNI body
- * (nothing is done), -1 if scratch cannot be had. */
-int int8_matmul_acc_vnni(const int8_t *xq, const int8_t *wq, const int32_t *wsum, int32_t *out,
-                         int64_t m, int64_t n, int64_t k) {
-#ifdef HAVE_VNNI
-    uint8_t *xu = (uint8_t *)malloc((size_t)(m * k));
-    if (!xu) return -1;
-    for (int64_t i = 0; i < m * k; ++i) xu[i] = (uint8_t)xq[i] ^ 0x80u;
+/* The sums of both entries below: with wsum (only where HAVE_VNNI), whole blocks on the VNNI
+ * body over xu = x + 128 and a last partial block of weight rows on signed bytes as they are;
+ * without it, dot_block over x widened to int16. */
+static int int8_sums(const int8_t *xq, const int8_t *wq, const int32_t *wsum, int32_t *out,
+                     int64_t m, int64_t n, int64_t k) {
+    const int vnni = wsum != NULL;
+    void *xp = malloc((size_t)(m * k) * (vnni ? 1 : sizeof(int16_t)));
+    if (!xp) return -1;
+    for (int64_t i = 0; i < m * k; ++i) {
+        if (vnni)
+            ((uint8_t *)xp)[i] = (uint8_t)xq[i] ^ 0x80u;
+        else
+            ((int16_t *)xp)[i] = xq[i];
+    }
     const int64_t nblocks = (n + NB - 1) / NB;
 #pragma omp parallel for schedule(static) if (n * k > 65536)
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -183,31 +196,38 @@ int int8_matmul_acc_vnni(const int8_t *xq, const int8_t *wq, const int32_t *wsum
         for (int64_t r0 = 0; r0 < m; r0 += MB) {
             const int mr = (int)(m - r0 < MB ? m - r0 : MB);
             int32_t acc[MB][NB];
-            if (nc == NB) {
-                const uint8_t *x = xu + r0 * k;
-                const int8_t *w = wq + c0 * k;
-                switch (mr) {
-                case 1: vnni_block_1(x, w, k, acc); break;
-                case 2: vnni_block_2(x, w, k, acc); break;
-                case 3: vnni_block_3(x, w, k, acc); break;
-                default: vnni_block_4(x, w, k, acc); break;
-                }
+            if (!vnni) {
+                dot_block((const int16_t *)xp + r0 * k, wq + c0 * k, k, mr, nc, acc);
+            } else if (nc == NB) {
+#ifdef HAVE_VNNI
+                vnni_block((const uint8_t *)xp + r0 * k, wq + c0 * k, k, mr, acc);
                 for (int r = 0; r < mr; ++r)
-                    for (int c = 0; c < NB; ++c)
-                        out[(r0 + r) * n + c0 + c] = acc[r][c] - 128 * wsum[c0 + c];
-            } else { /* a last block of fewer than NB weight rows: signed sums as they are */
+                    for (int c = 0; c < NB; ++c) acc[r][c] -= 128 * wsum[c0 + c];
+#endif
+            } else {
                 for (int r = 0; r < mr; ++r)
                     for (int c = 0; c < nc; ++c) {
                         int32_t sum = 0;
                         for (int64_t t = 0; t < k; ++t)
                             sum += (int32_t)xq[(r0 + r) * k + t] * (int32_t)wq[(c0 + c) * k + t];
-                        out[(r0 + r) * n + c0 + c] = sum;
+                        acc[r][c] = sum;
                     }
             }
+            for (int r = 0; r < mr; ++r)
+                for (int c = 0; c < nc; ++c) out[(r0 + r) * n + c0 + c] = acc[r][c];
         }
     }
-    free(xu);
+    free(xp);
     return 0;
+}
+
+/* Integer sums acc [m, n] of xq [m, k] against wq [n, k] on AVX512-VNNI, given wsum [n] (each
+ * weight row's sum); the same sums as int8_matmul_acc. -2 where this build has no VNNI body
+ * (nothing is done), -1 if scratch cannot be had. */
+int int8_matmul_acc_vnni(const int8_t *xq, const int8_t *wq, const int32_t *wsum, int32_t *out,
+                         int64_t m, int64_t n, int64_t k) {
+#ifdef HAVE_VNNI
+    return int8_sums(xq, wq, wsum, out, m, n, k);
 #else
     (void)xq, (void)wq, (void)wsum, (void)out, (void)m, (void)n, (void)k;
     return -2;
@@ -217,22 +237,5 @@ int int8_matmul_acc_vnni(const int8_t *xq, const int8_t *wq, const int32_t *wsum
 /* Integer sums acc [m, n] of xq [m, k] against wq [n, k]; -1 if scratch cannot be had. */
 int int8_matmul_acc(const int8_t *xq, const int8_t *wq, int32_t *out, int64_t m, int64_t n,
                     int64_t k) {
-    int16_t *x16 = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
-    if (!x16) return -1;
-    for (int64_t i = 0; i < m * k; ++i) x16[i] = xq[i];
-    const int64_t nblocks = (n + NB - 1) / NB;
-#pragma omp parallel for schedule(static) if (n * k > 65536)
-    for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t c0 = b * NB;
-        const int nc = (int)(n - c0 < NB ? n - c0 : NB);
-        for (int64_t r0 = 0; r0 < m; r0 += MB) {
-            const int mr = (int)(m - r0 < MB ? m - r0 : MB);
-            int32_t acc[MB][NB];
-            dot_block(x16 + r0 * k, wq + c0 * k, k, mr, nc, acc);
-            for (int r = 0; r < mr; ++r)
-                for (int c = 0; c < nc; ++c) out[(r0 + r) * n + c0 + c] = acc[r][c];
-        }
-    }
-    free(x16);
-    return 0;
+    return int8_sums(xq, wq, NULL, out, m, n, k);
 }

@@ -212,24 +212,6 @@ static inline __attribute__((always_inline)) void group_rows_m(
     for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 
-static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
-                       const float *sa, const float *ssa, int64_t k, int64_t m,
-                       float out[MAXM_K][GR]) {
-    switch (m) {
-    case 1: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 1, out); return;
-    case 2: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 2, out); return;
-    case 3: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 3, out); return;
-#if MAXM_K > 4
-    case 4: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
-    case 5: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 5, out); return;
-    case 6: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 6, out); return;
-    case 7: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 7, out); return;
-    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 8, out); return;
-#else
-    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
-#endif
-    }
-}
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #if defined(__AVXVNNI__)
 #define ISA 2
@@ -358,16 +340,6 @@ static inline __attribute__((always_inline)) void group_rows_m(
         for (int i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[h][i]);
 }
 
-static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
-                       const float *sa, const float *ssa, int64_t k, int64_t m,
-                       float out[MAXM][GR]) {
-    switch (m) {
-    case 1: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 1, out); return;
-    case 2: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 2, out); return;
-    case 3: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 3, out); return;
-    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
-    }
-}
 #else
 #define ISA 0
 static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
@@ -401,6 +373,28 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
                 out[i][r] += d * sa[i * nb + b] * (float)dot + c * ssa[i * nb + b];
             }
         }
+    }
+}
+#endif
+
+#if ISA > 0
+/* The vector bodies' row counts as compile-time constants (their sums stay in registers). */
+static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
+                       const float *sa, const float *ssa, int64_t k, int64_t m,
+                       float out[MAXM_K][GR]) {
+    switch (m) {
+    case 1: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 1, out); return;
+    case 2: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 2, out); return;
+    case 3: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 3, out); return;
+#if MAXM_K > 4
+    case 4: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
+    case 5: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 5, out); return;
+    case 6: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 6, out); return;
+    case 7: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 7, out); return;
+    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 8, out); return;
+#else
+    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
+#endif
     }
 }
 #endif
