@@ -557,6 +557,11 @@ def _fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     heads = lambda x: x[start:end].unflatten(0, (count, length)).transpose(1, 2)  # noqa: E731
     gqa = q.shape[1] != k.shape[1]
     num_heads, d = q.shape[1], q.shape[2]
+    if _tiled_prompt_kernel(q, k):
+        return cpu_kernels.prompt_attention(q[start:end], k[start:end], v[start:end], count,
+                                            length, length, scale,
+                                            window if window is not None and window < length
+                                            else None)
     if window is None or length <= window:
         out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
                                              scale=scale, enable_gqa=gqa)
@@ -611,6 +616,12 @@ def _context_chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         vt = kv_quant.gather_runs(v_cache, kv_scales[1], runs, q.dtype)
     keys = kt.view(1, kvh, n_blocks, d, bs).transpose(-1, -2).reshape(1, kvh, -1, d)
     vals = vt.view(1, kvh, n_blocks * bs, d)
+    if _tiled_prompt_kernel(q, keys[0].transpose(0, 1)):
+        # (reshape returns a view, dimension-major, when the context is one block)
+        return cpu_kernels.prompt_attention(q[start:end],
+                                            keys[0, :, :seq_len].contiguous().transpose(0, 1),
+                                            vals[0, :, :seq_len].transpose(0, 1), 1, q_len,
+                                            seq_len, scale)
     qh = q[start:end].transpose(0, 1).unsqueeze(0)
     out = q.new_empty(q_len, num_heads, d)
     for lo in range(0, q_len, WINDOW_QUERY_BLOCK):
@@ -622,6 +633,16 @@ def _context_chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                               scale=scale, enable_gqa=num_heads != kvh)
         out[lo:hi] = part[0].transpose(0, 1)
     return out
+
+
+def _tiled_prompt_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether csrc/prompt_attention.c takes these prompt rows (``[T, H, D]``, keys ``[T, KVH,
+    D]``): bfloat16 on a CPU with AVX512-BF16, head sizes a multiple of 32 up to 256. Its
+    two tiled bf16 products ran a 512-token prompt of a Llama-3.2-1B layer's heads 5-6x
+    faster than SDPA (3.0 against 17.3 ms on 2 cores)."""
+    d, num_heads, kvh = q.shape[2], q.shape[1], k.shape[1]
+    return (d % 32 == 0 and d <= 256 and num_heads % kvh == 0 and num_heads // kvh <= 64
+            and cpu_kernels.has_prompt_attention(q.dtype))
 
 
 def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

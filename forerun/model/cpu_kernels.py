@@ -51,6 +51,7 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _bf16_fast: bool | None = None  # small_matmul_is_fast(bfloat16), once known
 _amx: bool | None = None  # small_matmul_has_amx(), once known
+_prompt_attention: bool | None = None  # prompt_attention_available(), once known
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64 = ctypes.c_int64
@@ -136,6 +137,7 @@ def _load() -> ctypes.CDLL | None:
             fn.argtypes = args
     bind_gguf_kernels(lib)
     bind_int8_kernels(lib)
+    bind_prompt_attention(lib)
     lib.kv_cache_write.restype = ctypes.c_int
     lib.kv_cache_write.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                    _i64]
@@ -225,6 +227,60 @@ def _check_rows(x: torch.Tensor) -> None:
     # [T, heads, head_dim] with heads contiguous inside a token's row (a view into the fused
     # qkv output qualifies); tokens may be any number of elements apart.
     assert x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2], "bad row layout"
+
+
+PROMPT_ATTENTION_SOURCES = ("prompt_attention.c",)
+
+
+def bind_prompt_attention(lib: ctypes.CDLL) -> None:
+    """Type csrc/prompt_attention.c's entry points in ``lib`` (the engine's library, or a
+    test's build of :data:`PROMPT_ATTENTION_SOURCES` alone for another instruction set)."""
+    lib.prompt_attention_available.restype = ctypes.c_int
+    lib.prompt_attention_available.argtypes = []
+    lib.prompt_attention_bf16.restype = ctypes.c_int
+    lib.prompt_attention_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
+                                          _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64]
+
+
+def has_prompt_attention(dtype: torch.dtype) -> bool:
+    """Whether :func:`prompt_attention` runs for ``dtype`` on this CPU (bfloat16 where the
+    build has AVX512-BF16)."""
+    global _prompt_attention
+    if dtype != torch.bfloat16:
+        return False
+    if _prompt_attention is None:
+        lib = kernel_library()
+        _prompt_attention = lib is not None and lib.prompt_attention_available() == 1
+    return _prompt_attention
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prompts: int,
+                     n_q: int, n_k: int, scale: float, window: int | None = None
+                     ) -> torch.Tensor:
+    """Causal attention of ``n_prompts`` prompt chunks over dense K/V (csrc/prompt_attention.c).
+
+    ``q`` ``[n_prompts * n_q, H, D]`` with heads contiguous within a token (any token
+    stride), ``k`` and ``v`` ``[n_prompts * n_k, KVH, D]`` with any token and head strides,
+    bfloat16, each token's ``D`` values contiguous; chunk ``c``'s query ``i`` sits at
+    position ``n_k - n_q + i`` and sees its chunk's keys ``0 .. n_k - n_q + i`` (with a
+    ``window``, only the last ``window`` of them). Returns
+    ``[n_prompts * n_q, H, D]`` contiguous; raises ValueError for a shape the kernel does
+    not take (check :func:`has_prompt_attention` first)."""
+    _check_rows(q)
+    assert k.stride(2) == 1 and v.stride(2) == 1, "bad row layout"
+    t, num_heads, d = q.shape
+    assert t == n_prompts * n_q and k.shape[0] == v.shape[0] == n_prompts * n_k
+    out = q.new_empty(t, num_heads, d)
+    rc = kernel_library().prompt_attention_bf16(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+        v.stride(0), v.stride(1), out.data_ptr(), n_prompts, n_q, n_k, num_heads, k.shape[1], d,
+        scale, window or 0)
+    if rc == -2:
+        raise ValueError(f"prompt attention: unsupported shape q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if rc != 0:
+        raise MemoryError("prompt attention could not allocate its scratch space")
+    return out
 
 
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
