@@ -207,6 +207,32 @@ def test_fused_parts_of_both_families(gguf_paths) -> None:
             _check(lin(x), x, oracle, exact)
 
 
+def test_bfloat16_parts_of_both_c_families_with_bias() -> None:
+    """bf16 in and out with a bias, parts run by both C kernels (Q3_K and Q2_K as the file's
+    rows, Q8_0 and Q6_K in tiles): the tiled runs read and write bf16 as it is, the row runs
+    through a float copy; every column gets its own bias (the oracle rounds to bf16 once)."""
+    rng = np.random.default_rng(9)
+    k = 512
+    raws = [(GT.Q3_K, pack_kquant(rng.standard_normal((5, k)).astype(np.float32), GT.Q3_K)),
+            (GT.Q8_0, quantize(rng.standard_normal((20, k)).astype(np.float32), GT.Q8_0)),
+            (GT.Q6_K, pack_kquant(rng.standard_normal((16, k)).astype(np.float32), GT.Q6_K)),
+            (GT.Q2_K, pack_kquant(rng.standard_normal((7, k)).astype(np.float32), GT.Q2_K))]
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(2)).bfloat16()
+    lin = GGUFLinear([(int(t), torch.from_numpy(r.copy())) for t, r in raws], k,
+                     torch.nn.Parameter(bias, requires_grad=False))
+    for m in (1, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        xd = x.double().numpy()
+        oracle = np.concatenate([
+            _act_oracle(xd) @ dequantize(r, t).astype(
+                np.float64).T for t, r in raws], axis=1) + bias.double().numpy()
+        exact = xd @ np.concatenate([dequantize(r, t) for t, r in raws]).astype(
+            np.float64).T + bias.double().numpy()
+        y = lin(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 48)
+        _check(y, x.float(), oracle, exact)
+
+
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
 def test_dequantized_rows_are_the_files_values(qtype: GT) -> None:
     for random_bytes in (False, True):

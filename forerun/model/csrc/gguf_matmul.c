@@ -24,13 +24,17 @@ static int is_kquant(int64_t type) {
     return type == QT_Q2_K || type == QT_Q3_K || type == QT_IQ4_XS;
 }
 
-/* y [m, n] (float32, row stride n) = xf [m, k] @ W.T, run by run. */
-static int gguf_matmul_core(const float *xf, const qweight_t *w, float *y, int64_t m,
-                            int64_t n, int64_t k) {
+/* y [m, n] = x [m, k] @ W.T (+ bias), run by run; x, y and the bias bfloat16 (bf16) or
+ * float32. The tiled runs read x and write y as they are; a K-quant run takes a float32
+ * copy of x (made once) and writes float32 columns that are then narrowed. */
+static int gguf_matmul_core(const void *x, const qweight_t *w, const void *bias, void *y,
+                            int64_t m, int64_t n, int64_t k, int bf16) {
     if (w->nparts < 1 || w->nparts > QW_MAXPARTS) return -2;
     int64_t total = 0;
     for (int64_t p = 0; p < w->nparts; ++p) total += w->rows[p];
     if (total != n) return -2;
+    const size_t esz = bf16 ? sizeof(uint16_t) : sizeof(float);
+    float *xf = NULL, *yf = NULL;
     int64_t col = 0;
     int rc = 0;
     for (int64_t p = 0; p < w->nparts && rc == 0;) {
@@ -43,36 +47,43 @@ static int gguf_matmul_core(const float *xf, const qweight_t *w, float *y, int64
             run.data[run.nparts++] = w->data[p];
             rows += w->rows[p];
         }
-        rc = kq ? kquant_matmul_rows(xf, &run, y + col, n, m, k)
-                : quant_matmul_rows(xf, &run, y + col, n, m, k);
+        const void *bcol = bias ? (const char *)bias + esz * (size_t)col : NULL;
+        if (!kq) {
+            rc = quant_matmul_rows_io(x, bf16, &run, (char *)y + esz * (size_t)col, bf16, bcol,
+                                      n, m, k);
+        } else if (!bf16) {
+            rc = kquant_matmul_rows(x, &run, (float *)y + col, n, m, k);
+            if (rc == 0 && bias)
+                for (int64_t i = 0; i < m; ++i)
+                    for (int64_t j = 0; j < rows; ++j)
+                        ((float *)y)[i * n + col + j] += ((const float *)bcol)[j];
+        } else {
+            if (!xf) {
+                xf = malloc(sizeof(float) * (size_t)(m * k + m * n));
+                if (!xf) { rc = -1; break; }
+                yf = xf + m * k;
+                for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+            }
+            rc = kquant_matmul_rows(xf, &run, yf, rows, m, k);
+            if (rc == 0)
+                for (int64_t i = 0; i < m; ++i)
+                    for (int64_t j = 0; j < rows; ++j)
+                        ((uint16_t *)y)[i * n + col + j] = f32_to_bf16(
+                            yf[i * rows + j] + (bcol ? bf16_to_f32(((const uint16_t *)bcol)[j]) : 0.f));
+        }
         col += rows;
     }
+    free(xf);
     return rc;
 }
 
 /* y [m, n] = x [m, k] @ W.T (+ bias), W a qweight_t; same signature as small_matmul_*. */
 int gguf_matmul_f32(const float *x, const void *w, const float *bias, float *y, int64_t m,
                     int64_t n, int64_t k) {
-    const int rc = gguf_matmul_core(x, w, y, m, n, k);
-    if (rc == 0 && bias)
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j) y[i * n + j] += bias[j];
-    return rc;
+    return gguf_matmul_core(x, w, bias, y, m, n, k, 0);
 }
 
 int gguf_matmul_bf16(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
                      int64_t m, int64_t n, int64_t k) {
-    float *xf = malloc(sizeof(float) * (size_t)(m * k + m * n));
-    if (!xf) return -1;
-    float *yf = xf + m * k;
-    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_f32(x[i]);
-    const int rc = gguf_matmul_core(xf, w, yf, m, n, k);
-    if (rc == 0) {
-#pragma omp parallel for schedule(static) if (m * n > 65536)
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j)
-                y[i * n + j] = f32_to_bf16(yf[i * n + j] + (bias ? bf16_to_f32(bias[j]) : 0.f));
-    }
-    free(xf);
-    return rc;
+    return gguf_matmul_core(x, w, bias, y, m, n, k, 1);
 }

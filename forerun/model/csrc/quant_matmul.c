@@ -110,10 +110,15 @@ static inline int64_t block_values(int64_t type) {
 /* ---- activations ------------------------------------------------------------------------ */
 /* Row of k floats -> int8 per block of 32, its scale s and s * sum(q); and, where ss16 is
  * not NULL, s * sum(q) per 16 values (Q6_K's sub-blocks). */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *ssum,
-                         float *ss16) {
+static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *q, float *s,
+                         float *ssum, float *ss16) {
     for (int64_t b = 0; b < k / QK; ++b) {
-        const float *xb = x + b * QK;
+        float xw[QK]; /* a bfloat16 row is widened a block at a time, never as a whole */
+        const float *xb = (const float *)x + b * QK;
+        if (x_bf16) {
+            for (int j = 0; j < QK; ++j) xw[j] = bf16_to_f32(((const uint16_t *)x)[b * QK + j]);
+            xb = xw;
+        }
         float amax = 0.f;
         for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
@@ -924,9 +929,53 @@ static void group_q6k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const
 /* 3: AVX512-VNNI, 2: AVX-VNNI (256-bit), 1: AVX2, 0: plain C (for tests and logs). */
 int quant_matmul_isa(void) { return ISA; }
 
+/* A grow-only scratch buffer per calling thread: a prefill step's activations, quantized,
+ * are megabytes, and fresh pages for them on every call cost page faults (a 2048-token
+ * step's gate/up took 257 ms through a malloc'd float copy in and out against 182 ms here). */
+static void *thread_scratch(size_t bytes) {
+    static __thread void *buf = NULL;
+    static __thread size_t cap = 0;
+    if (bytes > cap) {
+        free(buf);
+        cap = bytes + bytes / 4;
+        buf = aligned_alloc(64, (cap + 63) & ~(size_t)63);
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
+
+/* Row t of a group's results into y (float32 or bfloat16, row stride ldy), plus the bias
+ * (y's type) of those columns. */
+static inline void store_row(const float *v, int64_t rows, void *y, int y_bf16, int64_t off,
+                             const void *bias, int64_t col) {
+    if (y_bf16) {
+        uint16_t *dst = (uint16_t *)y + off;
+        const uint16_t *b = bias ? (const uint16_t *)bias + col : NULL;
+#if defined(__AVX512BF16__)
+        if (rows == GR) { /* a whole group: one vector */
+            __m512 f = _mm512_loadu_ps(v);
+            if (b) f = _mm512_add_ps(f, bf16x16_load(b));
+            _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(f));
+            return;
+        }
+#endif
+        for (int64_t r = 0; r < rows; ++r)
+            dst[r] = f32_to_bf16(v[r] + (b ? bf16_to_f32(b[r]) : 0.f));
+    } else {
+        float *dst = (float *)y + off;
+        const float *b = bias ? (const float *)bias + col : NULL;
+        for (int64_t r = 0; r < rows; ++r) dst[r] = v[r] + (b ? b[r] : 0.f);
+    }
+}
+
 /* See qweight.h; gguf_matmul.c is the entry point that calls this. */
 int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
                       int64_t k) {
+    return quant_matmul_rows_io(xf, 0, w, y, 0, NULL, ldy, m, k);
+}
+
+int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y, int y_bf16,
+                         const void *bias, int64_t ldy, int64_t m, int64_t k) {
     if (k % QK || w->nparts < 1 || w->nparts > QW_MAXPARTS) return -2;
     int64_t total = 0, groups = 0;
     int64_t first_group[QW_MAXPARTS + 1], first_row[QW_MAXPARTS];
@@ -944,7 +993,7 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
     for (int64_t p = 0; p < w->nparts; ++p) with16 |= w->type[p] == QT_Q6_K;
     /* One allocation: quantized rows, then scales and scaled sums (per 32, [per 16]). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    char *scratch = malloc(qbytes + sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
+    char *scratch = thread_scratch(qbytes + sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
     if (!scratch) return -1;
     int8_t *qa = (int8_t *)scratch;
     float *sa = (float *)(scratch + qbytes), *ssa = sa + m * nb;
@@ -953,7 +1002,9 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; ++i)
-            quantize_row(xf + i * k, k, qa + i * k, sa + i * nb, ssa + i * nb,
+            quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + i * k)
+                                : (const void *)((const float *)x + i * k),
+                         x_bf16, k, qa + i * k, sa + i * nb, ssa + i * nb,
                          with16 ? ss16 + 2 * i * nb : NULL);
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
@@ -969,7 +1020,7 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
                 const uint8_t *tiles = w->data[p] + gl * nt * GR * block_bytes(type);
                 const int64_t r0 = gl * GR;
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
-                float *yc = y + first_row[p] + r0;
+                const int64_t col = first_row[p] + r0;
                 /* All tiled types take MAXM_K rows per pass in the 512-bit build (= MAXM
                  * elsewhere). */
                 const int64_t step = MAXM_K;
@@ -986,12 +1037,11 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
                         group_rows(type, tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
                                    out);
                     for (int64_t t = 0; t < mi; ++t)
-                        memcpy(yc + (i + t) * ldy, out[t], sizeof(float) * (size_t)rows);
+                        store_row(out[t], rows, y, y_bf16, (i + t) * ldy + col, bias, col);
                 }
             }
         }
     }
-    free(scratch);
     return 0;
 }
 

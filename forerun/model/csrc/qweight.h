@@ -24,6 +24,10 @@ typedef struct {
  * or shape it does not take). */
 int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
                       int64_t k);
+/* The same for x and y of either type (x_bf16, y_bf16: bfloat16, else float32), with a bias
+ * of y's type (NULL: none; indexed by w's rows) added: no float copy of either. */
+int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y, int y_bf16,
+                         const void *bias, int64_t ldy, int64_t m, int64_t k);
 int kquant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
                        int64_t k);
 
