@@ -287,6 +287,11 @@ class SmallBatchStack:
             m for _, m in self._layer_linears() if isinstance(m, GGUFLinear | Int8Linear)]
         if self.mode == "gguf" and isinstance(self.model.quant_head, GGUFLinear):
             owned.append(self.model.quant_head)
+        # A MoE step reads a few experts of a few MiB each, chosen anew every token: in huge
+        # pages each is one TLB entry or two, and the prefetchers run across its pages.
+        owned += [lin for _, moe in self._moe_layers() if moe.quant_experts is not None
+                  for pair in moe.quant_experts for lin in pair
+                  if isinstance(lin, GGUFLinear)]
         tiles = [t for m in owned for t in m.resident_tensors()]
         if packed or tiles:
             copies = iter(huge_pages.arena_copy([w.data for w in packed] + tiles))
