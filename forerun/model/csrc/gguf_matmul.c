@@ -6,8 +6,9 @@
  * Q4_1, Q8_0, MXFP4, Q4_K, Q5_K, Q6_K) by quant_matmul.c, the other K-quants (Q2_K, Q3_K,
  * IQ4_XS) by kquant_matmul.c, which reads the file's rows. A fused
  * projection whose parts come from both families (rare: some files keep one tensor in
- * Q8_0) quantizes the activations once per run. bfloat16 activations are widened once,
- * and the bias is added, in float32.
+ * Q8_0) quantizes the activations once per run. The tiled runs read bfloat16 activations
+ * and write bfloat16 results (bias added in float32) as they are; the row runs take a
+ * float32 copy.
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
 #include <stdint.h>

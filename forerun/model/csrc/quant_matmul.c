@@ -958,6 +958,15 @@ static inline void store_row(const float *v, int64_t rows, void *y, int y_bf16, 
             _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(f));
             return;
         }
+#elif defined(__AVX2__)
+        if (rows == GR) { /* a whole group: two vectors (the scalar loop cost 25% of a GEMV) */
+            for (int h = 0; h < 2; ++h) {
+                __m256 f = _mm256_loadu_ps(v + 8 * h);
+                if (b) f = _mm256_add_ps(f, bf16x8_load(b + 8 * h));
+                _mm_storeu_si128((__m128i *)(dst + 8 * h), f32x8_to_bf16(f));
+            }
+            return;
+        }
 #endif
         for (int64_t r = 0; r < rows; ++r)
             dst[r] = f32_to_bf16(v[r] + (b ? bf16_to_f32(b[r]) : 0.f));
