@@ -179,6 +179,18 @@ def test_bias_bfloat16_and_module_call(gguf_paths, qtype: GT) -> None:
            xd @ wd.T + bias.double().numpy())
 
 
+def _fused_oracles(raws: list[tuple[GT, np.ndarray]], x: torch.Tensor, bias: torch.Tensor
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(the product with x quantized as the kernels do, the exact product) of the parts
+    ``raws`` stacked, plus ``bias``, in float64."""
+    xd = x.double().numpy()
+    oracle = np.concatenate([_act_oracle(xd) @ dequantize(r, t).astype(np.float64).T
+                             for t, r in raws], axis=1) + bias.double().numpy()
+    exact = xd @ np.concatenate([dequantize(r, t) for t, r in raws]).astype(
+        np.float64).T + bias.double().numpy()
+    return oracle, exact
+
+
 def test_fused_parts_of_both_families(gguf_paths) -> None:
     """q/k/v-like parts in Q4_K, Q8_0 and Q6_K (as Q4_K_M files mix them): each family's
     kernel runs on its columns (both quantize the activations per 32)."""
@@ -195,12 +207,7 @@ def test_fused_parts_of_both_families(gguf_paths) -> None:
     assert "Q4_K+Q8_0+Q6_K+Q5_K" in repr(lin)
     for m in (1, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        xd = x.double().numpy()
-        oracle = np.concatenate([
-            _act_oracle(xd) @ dequantize(r, t).astype(
-                np.float64).T for t, r in raws], axis=1) + bias.double().numpy()
-        exact = xd @ np.concatenate([dequantize(r, t) for t, r in raws]).astype(
-            np.float64).T + bias.double().numpy()
+        oracle, exact = _fused_oracles(raws, x, bias)
         _check(lin(x), x, oracle, exact)
         with pytest.MonkeyPatch.context() as mp:  # the pure-torch path
             mp.setattr(cpu_kernels, "supports", lambda *a: False)
@@ -222,12 +229,7 @@ def test_bfloat16_parts_of_both_c_families_with_bias() -> None:
                      torch.nn.Parameter(bias, requires_grad=False))
     for m in (1, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-        xd = x.double().numpy()
-        oracle = np.concatenate([
-            _act_oracle(xd) @ dequantize(r, t).astype(
-                np.float64).T for t, r in raws], axis=1) + bias.double().numpy()
-        exact = xd @ np.concatenate([dequantize(r, t) for t, r in raws]).astype(
-            np.float64).T + bias.double().numpy()
+        oracle, exact = _fused_oracles(raws, x, bias)
         y = lin(x)
         assert y.dtype == torch.bfloat16 and y.shape == (m, 48)
         _check(y, x.float(), oracle, exact)
