@@ -14,6 +14,8 @@ only the copy remains. ``FORERUN_HUGE_PAGES=0`` turns the advice off.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import mmap
 
@@ -60,3 +62,20 @@ def arena_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(dst)
     return out
 
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op
+    elsewhere). Weights moved into the arena leave their old copies freed but resident:
+    a MoE model's experts are thousands of 1-2 MiB tensors, which malloc keeps in its heap
+    (the 12-layer Qwen3-30B-A3B shape in Q4_K_M held 9.6 GiB after load, 5.3 with this; the
+    1B Q4_K_M 1.75 and 1.41)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

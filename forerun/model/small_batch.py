@@ -299,6 +299,8 @@ class SmallBatchStack:
                 w.data = next(copies)
             for m in owned:
                 m.relocate([next(copies) for _ in m.resident_tensors()])
+            del tiles  # the old copies: the last references
+            huge_pages.release_freed_memory()
         self._linears = linears
 
     def resident_tensors(self) -> list[torch.Tensor]:
