@@ -559,9 +559,7 @@ def _fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     num_heads, d = q.shape[1], q.shape[2]
     if _tiled_prompt_kernel(q, k):
         return cpu_kernels.prompt_attention(q[start:end], k[start:end], v[start:end], count,
-                                            length, length, scale,
-                                            window if window is not None and window < length
-                                            else None)
+                                            length, length, scale, window)
     if window is None or length <= window:
         out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
                                              scale=scale, enable_gqa=gqa)

@@ -63,7 +63,6 @@ def arena_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op
     elsewhere). Weights moved into the arena leave their old copies freed but resident:
