@@ -113,8 +113,8 @@ def test_largest_quants_against_largest_activations_do_not_overflow(gguf_paths, 
 def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
     """The bodies run in passes of up to 4 activation rows (8 in the 512-bit tile bodies),
     each count its own compiled instance: 2 and 6 rows end on the 2-row one (the Q6_K row
-    body's two FMA chains), 33 to 39 rows (many-row tiles for every type) on the 1- to 7-row
-    ones."""
+    body's two FMA chains), 33 to 39 rows (many-row tiles for every type; in the AVX2 build
+    the tiles expanded to bytes, ktile_gemm.c, from 16 rows) on the 1- to 7-row ones."""
     n, k = 19, 512
     raw = random_kblocks(qtype, n, k, np.random.default_rng(int(qtype)))
     wd = dequantize(raw, qtype).astype(np.float64)

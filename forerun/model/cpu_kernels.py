@@ -508,7 +508,7 @@ def small_matmul_has_amx() -> bool:
 # ---- GGUF blocks (csrc/gguf_matmul.c, quant_matmul.c, kquant_matmul.c) -------------------
 QUANT_MAX_PARTS = 4  # QW_MAXPARTS in csrc/qweight.h
 # The files of the GGUF matmul, which a test may build alone for another instruction set.
-GGUF_SOURCES = ("gguf_matmul.c", "quant_matmul.c", "kquant_matmul.c")
+GGUF_SOURCES = ("gguf_matmul.c", "quant_matmul.c", "ktile_gemm.c", "kquant_matmul.c")
 
 
 class QWeightDesc(ctypes.Structure):

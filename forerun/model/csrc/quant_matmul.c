@@ -43,6 +43,7 @@
 
 #include "bf16.h"
 #include "fp16.h"
+#include "ktile.h"
 #include "qweight.h"
 
 /* An empty asm that takes v in a register and may change it: GCC can then neither
@@ -415,8 +416,6 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
  * 4l..4l+3 of each row's qh / qs, as the 32-value types' tiles do. Sub-blocks then run
  * across rows: a row's dot product with an activation block of 32 needs no horizontal sum,
  * and its scale and min (one per row) multiply lane by lane. */
-#define KT_QS(q5) ((q5) ? 768 : 256)     /* offset of the quant lines in a tile */
-#define KT_BYTES(q5) ((q5) ? 2816 : 2304) /* bytes of a tile */
 
 /* Sub-block j's 6-bit scale and min of the 16 rows (one byte each) from a Q4_K/Q5_K tile's
  * 12 scale lines c (byte c of every row; ggml's get_scale_min_k4, 16 rows at once). */
@@ -690,9 +689,6 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
  * (forerun/model/quant/gguf_blocks.py), for one row as for many: with the 512-bit body the
  * tiles beat kquant_matmul.c's row kernel at every row count (one core, 2048 x 8192:
  * 1.2-1.4x at one row, 2.6-3.3x at eight). */
-#define Q6T_BYTES 3360
-#define Q6T_QL 288
-#define Q6T_QH 2336
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 /* All 16 rows of a line in one 512-bit vector, against m activation rows: per 16 values
@@ -944,6 +940,22 @@ static void *thread_scratch(size_t bytes) {
     return buf;
 }
 
+#ifdef KTILE_EXPANDED
+/* A grow-only buffer per worker thread for a group's expanded tiles (ktile_gemm.c): up to
+ * 200 KB for a row of 8192 values, filled once per group and call. */
+static uint8_t *expand_scratch(size_t bytes) {
+    static __thread uint8_t *buf = NULL;
+    static __thread size_t cap = 0;
+    if (bytes > cap) {
+        free(buf);
+        cap = (bytes + 63) & ~(size_t)63;
+        buf = aligned_alloc(64, cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
+#endif
+
 /* Row t of a group's results into y (float32 or bfloat16, row stride ldy), plus the bias
  * (y's type) of those columns. */
 static inline void store_row(const float *v, int64_t rows, void *y, int y_bf16, int64_t off,
@@ -1030,6 +1042,26 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                 const int64_t r0 = gl * GR;
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
                 const int64_t col = first_row[p] + r0;
+#ifdef KTILE_EXPANDED
+                if (mc >= KTILE_MIN_ROWS &&
+                    (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K)) {
+                    uint8_t *xt = expand_scratch((size_t)ktile_expanded_bytes(type, nt));
+                    if (xt) {
+                        ktile_expand(type, tiles, nt, xt);
+                        for (int64_t i = i0; i < i0 + mc; i += 4) {
+                            const int64_t mi = i + 4 <= i0 + mc ? 4 : i0 + mc - i;
+                            float out[4][GR];
+                            ktile_expanded_rows(type, xt, nt, qa + i * k, sa + i * nb,
+                                                ssa + i * nb, with16 ? ss16 + 2 * i * nb : NULL,
+                                                k, mi, out);
+                            for (int64_t t = 0; t < mi; ++t)
+                                store_row(out[t], rows, y, y_bf16, (i + t) * ldy + col, bias,
+                                          col);
+                        }
+                        continue;
+                    }
+                }
+#endif
                 /* All tiled types take MAXM_K rows per pass in the 512-bit build (= MAXM
                  * elsewhere). */
                 const int64_t step = MAXM_K;

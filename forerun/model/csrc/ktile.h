@@ -1,0 +1,37 @@
+/* The K-quant tiles of quant_matmul.c (Q4_K, Q5_K, Q6_K regrouped by 16 rows; the layouts
+ * are described there) and the many-row path of ktile_gemm.c, which expands a group's tiles
+ * to one byte per value once per call and runs the activation rows against the bytes.
+ * Built and loaded by forerun/model/cpu_kernels.py. */
+#ifndef FORERUN_KTILE_H
+#define FORERUN_KTILE_H
+#include <stdint.h>
+
+#define KT_QS(q5) ((q5) ? 768 : 256)     /* Q4_K/Q5_K: offset of the quant lines in a tile */
+#define KT_BYTES(q5) ((q5) ? 2816 : 2304) /* Q4_K/Q5_K: bytes of a tile */
+#define Q6T_BYTES 3360                    /* Q6_K: bytes of a tile */
+#define Q6T_QL 288                        /* Q6_K: offset of the ql lines */
+#define Q6T_QH 2336                       /* Q6_K: offset of the qh lines */
+
+/* The expanded path exists in the AVX2 build without byte dot-product instructions, where
+ * unpacking a line's 4-6 bit values costs as much as the products of the rows it feeds
+ * (maddubs and madd, two instructions per four values, where VNNI takes one). */
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512VNNI__) && \
+    !defined(__AVXVNNI__)
+#define KTILE_EXPANDED 1
+/* Activation rows from which a call expands a group's tiles (the unpacking, done once, is
+ * then shared by every row instead of by four). */
+#define KTILE_MIN_ROWS 16
+
+/* Bytes of a group's nsb tiles of ggml type `type` (12 Q4_K, 13 Q5_K, 14 Q6_K) expanded. */
+int64_t ktile_expanded_bytes(int64_t type, int64_t nsb);
+/* Expand a group's nsb tiles (16 rows x 256 nsb values) into x (ktile_expanded_bytes). */
+void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x);
+/* out[i][r] = row r of the group . activation row i, for m <= 4 rows of qa (int8 per block
+ * of 32, k per row) with their block scales sa, scaled sums ssa (per 32) and ss16 (per 16,
+ * Q6_K only), as quant_matmul.c's group bodies take them. */
+void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
+                         const float *sa, const float *ssa, const float *ss16, int64_t k,
+                         int64_t m, float out[][16]);
+#endif
+
+#endif
