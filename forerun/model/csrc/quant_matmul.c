@@ -794,9 +794,9 @@ static inline __attribute__((always_inline)) void group_q6k_m(
     int64_t k, const int m, float out[MAXM_K][GR]) {
     const int64_t nb = k / QK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
-    /* Both halves of the 16 rows in one pass for one activation row (a decode step reads
-     * the tile once, from memory), else one half per pass (the second finds it in cache). */
-    const int hp = m == 1 ? 2 : 1;
+    /* One half of the 16 rows per pass (the second finds the tile in cache); one activation
+     * row takes group_q6k_one, which reads both halves of a tile in turn. */
+    const int hp = 1;
     for (int h0 = 0; h0 < 2; h0 += hp) {
         __m256 acc[2][MAXM], fix[2][MAXM];
         for (int hh = 0; hh < hp; ++hh)
@@ -883,14 +883,12 @@ static inline __attribute__((always_inline)) void group_q6k_m(
  * of all four of its blocks (the body above reads and unpacks them once per block); each
  * block's two lines of products summed in int16 and weighted by their scale in the madd that
  * widens them, the scales made once per super-block, both halves of a tile in turn (the
- * second reads it from cache). The same integer sums and float terms in the same order as
- * the body above. Weights in DRAM, 2 cores of a Zen 3: 49152 x 2048 (an output head) 29.3
- * -> 30.3 GOP/s; in cache 1.0-1.2x. */
+ * second reads it from cache), the tiles ahead prefetched a line group per step
+ * (prefetch_spread). The same integer sums and float terms in the same order as the body
+ * above, which now takes 2 rows and more. */
 #define Q6K_ONE 1
 static inline void group_q6k_one(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
-                                 const float *sa, const float *ss16, int64_t k,
-                                 float out[MAXM_K][GR]) {
-    (void)k;
+                                 const float *sa, const float *ss16, float out[MAXM_K][GR]) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
     __m256 acc[2], fix[2];
     for (int h = 0; h < 2; ++h) acc[h] = fix[h] = _mm256_setzero_ps();
@@ -996,7 +994,7 @@ static void group_q6k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const
                       const float *ss16, int64_t k, int64_t m, float out[MAXM_K][GR]) {
     switch (m) {
 #ifdef Q6K_ONE
-    case 1: group_q6k_one(tiles, nsb, qa, sa, ss16, k, out); return;
+    case 1: group_q6k_one(tiles, nsb, qa, sa, ss16, out); return;
 #else
     case 1: group_q6k_m(tiles, nsb, qa, sa, ss16, k, 1, out); return;
 #endif
