@@ -22,12 +22,9 @@ def build_quant_variant(march: str, out_dir: Path,
     stem = Path(sources[0]).stem
     target = out_dir / f"{stem}-{march}.so"
     flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels._FLAGS]
-    objects = []
-    for source in sources:
-        obj = out_dir / f"{Path(source).stem}-{march}.o"
-        cpu_kernels._run([compiler, *flags, "-c", str(cpu_kernels._CSRC / source), "-o",
-                          str(obj)])
-        objects.append(str(obj))
+    objects = cpu_kernels.compile_objects(
+        compiler, flags, [cpu_kernels._CSRC / source for source in sources], out_dir,
+        suffix=f"-{march}")
     cpu_kernels._run([compiler, *cpu_kernels._LINK_FLAGS, "-o", str(target), *objects, "-lm"])
     lib = ctypes.CDLL(str(target))
     bind(lib)
