@@ -20,6 +20,7 @@ from forerun.model import cpu_kernels
 from forerun.model.loader import ModelLoadError, load_model, load_model_config, resolve_model
 from forerun.model.moe import fused_experts, select_experts
 from forerun.model.quant.gguf_linear import GGUFLinear
+from forerun.model.quant.int8_linear import Int8Linear
 from tests.conftest import assert_all_blocks_free
 from tests.kquant_pack import BLOCK_BYTES, pack_kquant
 from tests.paged_driver import PagedDriver
@@ -226,11 +227,85 @@ def test_a_missing_expert_is_named(tiny_moe, tmp_path: Path) -> None:
         load_model(source, load_model_config(source), torch.float32, CPU)
 
 
-def test_quantization_of_a_moe_model_is_refused_by_name(tiny_moe) -> None:
+def _int8_rows(v: torch.Tensor) -> torch.Tensor:
+    """float64 rows rounded as Int8Linear rounds its activations: per row, symmetric."""
+    s = v.abs().amax(dim=-1, keepdim=True) / 127.0
+    return torch.round(v / torch.where(s > 0, s, torch.ones_like(s))) * s
+
+
+def _int8_reference(moe: Any, x: torch.Tensor) -> torch.Tensor:
+    """A MoE layer with int8 experts, token by token in float64 from its own int8 rows and
+    scales dequantized (the router run as the layer runs it: its choice is not what is
+    checked here)."""
+    weights, ids = select_experts(moe.gate(x), moe.top_k, moe.renormalize)
+    x = x.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gate_up, down = moe.quant_experts[int(ids[t, j])]
+            w13 = gate_up.weight_q.double() * gate_up.weight_scale.double()[:, None]
+            w2 = down.weight_q.double() * down.weight_scale.double()[:, None]
+            g, u = (w13 @ _int8_rows(x[t])).split(w2.shape[1])
+            h = torch.nn.functional.silu(g) * u
+            out[t] += weights[t, j].double() * (w2 @ _int8_rows(h))
+    return out
+
+
+@pytest.mark.parametrize("path", ["kernels", "torch-path"])
+def test_int8_experts_match_the_float64_oracle_of_their_int8_rows(
+        tiny_moe, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantization="int8" on a MoE model: every expert's gate/up and down become int8 per
+    output channel (the router stays float), and the layer equals a float64 per-token
+    reference over the same int8 rows; with two experts' rows swapped it does not."""
+    if path == "torch-path":
+        monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
     _, _, folder = tiny_moe
     source = resolve_model(str(folder))
-    with pytest.raises(ValueError, match="quantization='int8'.*mixture-of-experts"):
-        load_model(source, load_model_config(source), torch.float32, CPU, quantization="int8")
+    model = load_model(source, load_model_config(source), torch.float32, CPU,
+                       quantization="int8")
+    moe = next(layer.mlp for layer in model.model.layers if layer.mlp.quant_experts)
+    assert moe.w13 is None and isinstance(moe.gate, torch.nn.Linear)
+    assert isinstance(moe.quant_experts[0][0], Int8Linear)
+    torch.manual_seed(3)
+    x = torch.randn(24, COMMON["hidden_size"])
+    with torch.inference_mode():
+        got = moe(x).double()
+        ref = _int8_reference(moe, x)
+        scale = ref.abs().max()
+        err = (got - ref).abs().max() / scale
+        assert err < 2e-5, f"max error {err:.2e} of the largest output"
+        pairs = list(moe.quant_experts)
+        moe.quant_experts = torch.nn.ModuleList([pairs[1], pairs[0], *pairs[2:]])
+        wrong = (moe(x).double() - ref).abs().max() / scale
+    assert wrong > 1e-2, float(wrong)
+
+
+def test_int8_moe_engine_is_close_to_the_exact_one_and_async_equals_sync(tiny_moe) -> None:
+    """The whole model with int8 experts: the prompt's logits within a few percent of the
+    float32 engine's, and the async and sync engines give the same tokens."""
+    _, exact, folder = tiny_moe
+    source = resolve_model(str(folder))
+    quant = load_model(source, load_model_config(source), torch.float32, CPU,
+                       quantization="int8")
+    with torch.inference_mode():
+        ref = PagedDriver(exact).step([("a", PROMPT)])[0]
+        got = PagedDriver(quant).step([("a", PROMPT)])[0]
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < 0.08, f"max logit error {err:.4f} of the largest logit"
+    prompts = [" ".join(f"w{t}z" for t in PROMPT[:n]) for n in (4, 11)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(str(folder), dtype="float32", max_model_len=128, async_scheduling=mode,
+                  quantization="int8")
+        try:
+            outs[mode] = [o.outputs[0].token_ids for o in
+                          llm.generate(prompts, params, use_tqdm=False)]
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    assert outs["on"] == outs["off"]
+    assert all(len(t) == 10 for t in outs["on"])
 
 
 def test_bad_expert_counts_are_refused(tmp_path: Path) -> None:
@@ -413,12 +488,20 @@ class _SumOverRanks:
         return t
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "experts"])
-def test_the_ranks_shares_of_a_moe_layer_sum_to_the_whole(expert_parallel: bool) -> None:
+def test_the_ranks_shares_of_a_moe_layer_sum_to_the_whole(expert_parallel: bool,
+                                                         int8: bool) -> None:
+    """Each rank's share of a layer, summed as the all-reduce sums them: the whole layer.
+    With int8 experts (quantized after the split, as the loader does): whole experts are
+    the one-process int8 experts, so the sum is that layer's output; a width split gives
+    each rank int8 rows of its own columns, so the sum is checked against the float64
+    oracle of those rows, rank by rank."""
     import copy
 
     from forerun.distributed.tensor_parallel import shard_moe
     from forerun.model.moe import FusedMoE
+    from forerun.model.quant.int8_linear import int8_experts
 
     torch.manual_seed(2)
     moe = FusedMoE(32, 24, 8, 3, renormalize=True)
@@ -426,15 +509,32 @@ def test_the_ranks_shares_of_a_moe_layer_sum_to_the_whole(expert_parallel: bool)
         for p in moe.parameters():
             p.copy_(0.3 * torch.randn_like(p))
     x = torch.randn(9, 32)
-    want = moe(x)
+    whole = copy.deepcopy(moe)
+    if int8:
+        whole.use_quantized_experts(int8_experts(whole))
+    want = whole(x).double()
     seen: list[torch.Tensor] = []
+    oracle = torch.zeros_like(want)
     for rank in range(2):
         part = copy.deepcopy(moe)
         shard_moe(part, _SumOverRanks(rank, 2, seen), expert_parallel)
         held = part.w13.shape[0] if expert_parallel else part.w13.shape[1]
         assert held == (4 if expert_parallel else 24)  # half the experts, or half the width
+        if int8:
+            part.use_quantized_experts(int8_experts(part))
+            assert len(part.quant_experts) == (4 if expert_parallel else 8)
+            if not expert_parallel:
+                oracle += _int8_reference(part, x)
         part(x)
-    torch.testing.assert_close(seen[0] + seen[1], want, atol=1e-5, rtol=1e-5)
+    got = (seen[0] + seen[1]).double()
+    if int8:
+        # And int8 is near the float layer (a bound that a wrong split would not meet).
+        exact = moe(x).double()
+        assert (got - exact).abs().max() / exact.abs().max() < 0.03
+    if int8 and not expert_parallel:
+        assert (got - oracle).abs().max() / oracle.abs().max() < 2e-5
+        want = oracle
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_two_ranks_give_the_tokens_of_one_process(tiny_moe) -> None:

@@ -82,6 +82,41 @@ def test_two_ranks_give_the_tokens_of_one_process(tiny_dir, mode):
     assert worker_thread_setup() == before
 
 
+def prompt_logprobs(llm: LLM) -> torch.Tensor:
+    """The log-probability of each prompt token after the first, all prompts in a row."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return torch.tensor([pos[t].logprob for o, p in zip(outs, PROMPTS, strict=True)
+                         for pos, t in zip(o.prompt_logprobs[1:], p[1:], strict=True)])
+
+
+def test_int8_weights_split_over_two_ranks_stay_near_one_process(tiny_dir):
+    """quantization="int8" with TP=2: each rank quantizes its own share after the split
+    (the row-parallel o and down projections per output channel over its input columns,
+    so not bit for bit the one-process int8 rows). The prompts' teacher-forced
+    log-probabilities stay as near the one-process int8 engine's as int8 is to the exact
+    engine, and the ranks' engine generates and frees every block."""
+    kw = dict(model=str(tiny_dir), dtype="float32", max_model_len=128)
+    engines = {"exact": {}, "int8": {"quantization": "int8"},
+               "int8-tp2": {"quantization": "int8", "tensor_parallel_size": 2}}
+    got = {}
+    for name, extra in engines.items():
+        llm = LLM(**kw, **extra)
+        try:
+            got[name] = prompt_logprobs(llm)
+            if name == "int8-tp2":
+                tokens = run(llm)
+                assert all(len(t) == 20 for t in tokens)
+                assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    quant_err = (got["int8"] - got["exact"]).abs().max()
+    split_err = (got["int8-tp2"] - got["int8"]).abs().max()
+    assert 0 < quant_err < 0.2, float(quant_err)
+    assert split_err <= 2 * quant_err, (float(split_err), float(quant_err))
+    assert rank_pids() == []
+
+
 def assert_default_model_split_like_one_process(llm_cache, **sizes: int) -> None:
     """SmolLM2 in float32 split by ``sizes`` gives the one-process engine's greedy tokens."""
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]

@@ -121,12 +121,6 @@ def load_model(
     mixture of experts' layers by whole experts over the tensor-parallel ranks."""
     quantization = validate_quantization(quantization)
     cls = get_model_class(config.architecture)
-    if config.num_experts:
-        # What the mixture-of-experts layer does not take yet: refused before any load.
-        if quantization == "int8":
-            raise ValueError(f"{config.architecture}: quantization='int8' does not run "
-                             "mixture-of-experts models yet; use a GGUF file with "
-                             "quantization='gguf', or none")
     # Build on the meta device so no time is spent on random init that weights overwrite.
     with torch.device("meta"):
         model = cls(config)
@@ -154,9 +148,12 @@ def load_model(
             entry.save_weights(model)
     model.eval()
     if tensor_parallel is not None and tensor_parallel.size > 1:
-        if quantization is not None:
-            raise ValueError("tensor_parallel_size > 1 runs unquantized weights only; "
-                             f"got quantization={quantization!r}")
+        if quantization == "gguf":
+            raise ValueError("tensor_parallel_size > 1 runs unquantized or int8 weights; "
+                             "got quantization='gguf' (a GGUF file loads dequantized with "
+                             "quantization=None, or as int8 with quantization='int8')")
+        # int8 is applied below to this rank's share: the row-parallel linears' scales are
+        # then those of its input columns.
         shard_model(model, tensor_parallel, expert_parallel)
     if quantization == "int8":
         logger.info("quantization=int8: %d linear weights quantized per output channel",

@@ -102,8 +102,8 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 class FusedMoE(nn.Module):
     """A sparse MLP layer: the router (``gate``, a linear layer to one logit per expert) and
     the stacked experts ``w13`` / ``w2`` (see the module docstring); with
-    quantization="gguf", ``quant_experts`` instead: per expert its gate/up and down as
-    linears over the file's blocks (and ``w13`` / ``w2`` None).
+    quantization="gguf" or "int8", ``quant_experts`` instead: per expert its gate/up and
+    down as linears over the file's blocks or int8 rows (and ``w13`` / ``w2`` None).
 
     gpt-oss's options: ``router_bias``, ``softmax_over_top_k`` (see :func:`select_experts`),
     ``expert_bias`` (``b13`` / ``b2``, added to each expert's gate/up and down outputs) and
@@ -139,9 +139,11 @@ class FusedMoE(nn.Module):
         self.local_experts: range | None = None
 
     def use_quantized_experts(self, experts: list[tuple[nn.Module, nn.Module]]) -> None:
-        """Run expert ``e`` as ``experts[e] = (gate_up, down)`` and drop the stacked floats."""
-        if len(experts) != self.num_experts:
-            raise ValueError(f"{len(experts)} experts given, the layer has {self.num_experts}")
+        """Run expert ``e`` as ``experts[e] = (gate_up, down)`` and drop the stacked floats
+        (with expert parallelism, ``experts[i]`` is local expert ``local_experts[i]``)."""
+        held = self.num_experts if self.local_experts is None else len(self.local_experts)
+        if len(experts) != held:
+            raise ValueError(f"{len(experts)} experts given, the layer holds {held}")
         self.quant_experts = nn.ModuleList(nn.ModuleList(pair) for pair in experts)
         self.w13 = None
         self.w2 = None
@@ -157,28 +159,21 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize,
                                       self.softmax_over_top_k)
-        b13, b2 = self.b13, self.b2
-        if self.quant_experts is not None:
-            experts = self.quant_experts
-
-            def run(e: int, rows: torch.Tensor) -> torch.Tensor:
-                gate_up, down = experts[e]
-                h = self._act(self._bias(gate_up(rows), b13, e))
-                return self._bias(down(h), b2, e)
-
-            return grouped_experts(x, weights, ids, self.num_experts, run)
-        if self.local_experts is None and self.swiglu is None and b13 is None:
-            out = fused_experts(x, self.w13, self.w2, weights, ids)
+        local, b13, b2 = self.local_experts, self.b13, self.b2
+        quant, w13, w2 = self.quant_experts, self.w13, self.w2
+        if quant is None and local is None and self.swiglu is None and b13 is None:
+            out = fused_experts(x, w13, w2, weights, ids)
         else:
-            local, w13, w2 = self.local_experts, self.w13, self.w2
-
-            def run_local(e: int, rows: torch.Tensor) -> torch.Tensor:
+            def run(e: int, rows: torch.Tensor) -> torch.Tensor:
                 if local is not None and e not in local:
                     # another rank's expert: its rows come from there
                     return rows.new_zeros(rows.shape[0], rows.shape[1])
                 i = e if local is None else e - local.start
+                if quant is not None:
+                    gate_up, down = quant[i]
+                    return self._bias(down(self._act(self._bias(gate_up(rows), b13, i))), b2, i)
                 h = self._act(F.linear(rows, w13[i], None if b13 is None else b13[i]))
                 return F.linear(h, w2[i], None if b2 is None else b2[i])
 
-            out = grouped_experts(x, weights, ids, self.num_experts, run_local)
+            out = grouped_experts(x, weights, ids, self.num_experts, run)
         return out if self.tp_group is None else self.tp_group.all_reduce(out.contiguous())

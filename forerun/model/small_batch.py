@@ -195,8 +195,8 @@ class SmallBatchStack:
     def _mode(self) -> str | None:
         """"gguf": every layer linear (and expert) is in GGUF blocks; "plain": every one is
         a plain ``nn.Linear`` (and stacked float experts); "int8": dense layers whose
-        linears are :class:`Int8Linear` or plain; None: another mix, which the stack
-        cannot run."""
+        linears are :class:`Int8Linear` or plain; None: another mix (int8 experts among
+        them), which the stack cannot run."""
         if not all(isinstance(layer.mlp, GatedMLP | FusedMoE)
                    for layer in self.model.model.layers):
             return None
@@ -204,7 +204,8 @@ class SmallBatchStack:
                  if isinstance(m, Int8Linear) else "plain"
                  if isinstance(m, torch.nn.Linear) else None
                  for _, m in self._layer_linears()}
-        kinds |= {"gguf" if moe.quant_experts is not None else "plain"
+        kinds |= {"plain" if moe.quant_experts is None else "int8"
+                  if isinstance(moe.quant_experts[0][0], Int8Linear) else "gguf"
                   for _, moe in self._moe_layers()}
         if kinds <= {"int8", "plain"} and "int8" in kinds:
             return "int8" if not self._moe_layers() else None

@@ -8,7 +8,9 @@ int8 x int8 -> int32 GEMM (``torch._int_mm``: oneDNN's int8 kernels on CPU, twic
 arithmetic rate of its bf16 ones on CPUs with VNNI/AMX; ``csrc/int8_matmul.c`` for decode's
 few rows, and everywhere on a CPU without those instructions), and the result is scaled back
 by ``s_x[i] * s_w[j]`` (``csrc/quant_matmul.c`` fuses the quantize and the rescale, each one
-pass over memory). Everything else (embedding, output head, norms, attention, and the fused
+pass over memory). A mixture-of-experts layer's experts become int8 the same way, each
+expert's gate/up and down rows per output channel; its router stays in the model's dtype.
+Everything else (embedding, output head, norms, attention, and the fused
 q/k/v projection: see :data:`KEEP_FLOAT`) stays in the model's dtype: batches are bound by
 the GEMMs' arithmetic, which is where int8 pays.
 """
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from forerun.model import cpu_kernels
+from forerun.model.moe import FusedMoE
 
 _workspace = threading.local()
 
@@ -139,14 +142,30 @@ class Int8Linear(nn.Module):
 KEEP_FLOAT: frozenset[str] = frozenset({"qkv_proj"})
 
 
+def int8_experts(moe: FusedMoE) -> list[tuple[Int8Linear, Int8Linear]]:
+    """Each expert of a mixture-of-experts layer as ``(gate_up, down)`` :class:`Int8Linear`
+    pairs quantized from its stacked float weights (per expert and output channel; the
+    expert biases, gpt-oss's, stay on the layer)."""
+    return [(Int8Linear(w13), Int8Linear(w2)) for w13, w2 in zip(moe.w13, moe.w2, strict=True)]
+
+
 def apply_int8(model: nn.Module) -> int:
     """Replace the ``nn.Linear`` modules inside the decoder layers (``model.model.layers``)
-    by :class:`Int8Linear` of their weights, except those named in :data:`KEEP_FLOAT`;
-    returns the count. The output head is left alone."""
+    by :class:`Int8Linear` of their weights, except those named in :data:`KEEP_FLOAT`, and
+    give every mixture-of-experts layer int8 experts (:func:`int8_experts`); returns the
+    count of linears (two per expert). The output head and the MoE routers are left alone:
+    a router's logits choose the experts, and rounding them would change the choice."""
     count = 0
     layers = model.get_submodule("model.layers")
-    for path, module in list(layers.named_modules()):
-        if isinstance(module, nn.Linear) and path.rpartition(".")[2] not in KEEP_FLOAT:
+    modules = list(layers.named_modules())
+    moe_paths = {path for path, module in modules if isinstance(module, FusedMoE)}
+    for path, module in modules:
+        if path in moe_paths and module.w13 is not None:
+            experts = int8_experts(module)
+            module.use_quantized_experts(experts)
+            count += 2 * len(experts)
+        elif (isinstance(module, nn.Linear) and path.rpartition(".")[2] not in KEEP_FLOAT
+              and path.rpartition(".")[0] not in moe_paths):
             parent, _, leaf = path.rpartition(".")
             setattr(layers.get_submodule(parent) if parent else layers, leaf,
                     Int8Linear(module.weight, module.bias))
