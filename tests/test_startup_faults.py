@@ -103,14 +103,14 @@ llm.shutdown()
 
 def test_a_two_rank_engine_starts_from_any_kind_of_main(tiny_dir, want, tmp_path):
     """Spawned ranks never re-run the parent's ``__main__``: there is no file to re-run for
-    stdin, ``-c`` and IPython, and a file without a guard would start engines in its ranks.
-    The four kinds run at once (their interpreters' imports overlap instead of queueing)."""
+    stdin and IPython, and a file without a guard would start engines in its ranks. They
+    run at once (their interpreters' imports overlap instead of queueing). ``python -c``
+    is not among them: its ``__main__`` has no file, which spawn handles by itself."""
     script = SCRIPT.format(kwargs=repr(engine_kwargs(tiny_dir)), prompt=PROMPT)
     path = tmp_path / "no_guard.py"
     path.write_text(script)
     kinds: dict[str, tuple[list[str], str | None]] = {
         "stdin": ([sys.executable, "-"], script),
-        "-c": ([sys.executable, "-c", script], None),
         "unguarded-file": ([sys.executable, str(path)], None),
     }
     if importlib.util.find_spec("IPython") is not None:
