@@ -155,6 +155,25 @@ def assert_all_blocks_free(llm: Any) -> None:
     assert sched.num_running_reqs == 0 and sched.num_waiting_reqs == 0, stats
 
 
+def tokens_sync_and_async(model: str, prompts: list[Any], params: Any,
+                          **kwargs: Any) -> dict[str, list[list[int]]]:
+    """``{"on": ..., "off": ...}``: the token ids an ``LLM(model, dtype="float32",
+    max_model_len=128, **kwargs)`` generates with async scheduling on and off, every block
+    checked free after each."""
+    from forerun import LLM
+
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(model, dtype="float32", max_model_len=128, async_scheduling=mode, **kwargs)
+        try:
+            outs[mode] = [o.outputs[0].token_ids for o in
+                          llm.generate(prompts, params, use_tqdm=False)]
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    return outs
+
+
 @pytest.fixture(scope="module")
 def grammar_backend() -> Any:
     """xgrammar over the default model's tokenizer, outside any engine."""

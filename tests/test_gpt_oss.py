@@ -29,7 +29,7 @@ from forerun.model import cpu_kernels
 from forerun.model.gpt_oss import dequantize_mxfp4_checkpoint
 from forerun.model.loader import ModelLoadError, load_model, load_model_config, resolve_model
 from forerun.model.quant.gguf_linear import GGUFLinear
-from tests.conftest import assert_all_blocks_free
+from tests.conftest import assert_all_blocks_free, tokens_sync_and_async
 from tests.paged_driver import PagedDriver
 from tests.tiny_model import hf_greedy, write_word_tokenizer
 
@@ -327,17 +327,9 @@ def test_async_and_sync_engines_give_identical_tokens_and_transformers_greedy(ti
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, ignore_eos=True)]
-    outs = {}
-    for mode in ("on", "off"):
-        # Chunked prefill (8-token steps) and the prefix cache (the shared first 9 tokens).
-        llm = LLM(str(folder), dtype="float32", max_model_len=128, async_scheduling=mode,
-                  enable_prefix_caching=True, max_num_batched_tokens=8, block_size=4)
-        try:
-            outs[mode] = [o.outputs[0].token_ids for o in
-                          llm.generate(prompts, params, use_tqdm=False)]
-            assert_all_blocks_free(llm)
-        finally:
-            llm.shutdown()
+    # Chunked prefill (8-token steps) and the prefix cache (the shared first 9 tokens).
+    outs = tokens_sync_and_async(str(folder), prompts, params, enable_prefix_caching=True,
+                                 max_num_batched_tokens=8, block_size=4)
     assert outs["on"] == outs["off"]
     assert outs["on"][0] == hf_greedy(hf, PROMPT, 10)
 

@@ -21,7 +21,7 @@ from forerun.model.loader import ModelLoadError, load_model, load_model_config, 
 from forerun.model.moe import fused_experts, select_experts
 from forerun.model.quant.gguf_linear import GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear
-from tests.conftest import assert_all_blocks_free
+from tests.conftest import assert_all_blocks_free, tokens_sync_and_async
 from tests.kquant_pack import BLOCK_BYTES, pack_kquant
 from tests.paged_driver import PagedDriver
 from tests.tiny_model import hf_greedy, write_word_tokenizer
@@ -294,16 +294,7 @@ def test_int8_moe_engine_is_close_to_the_exact_one_and_async_equals_sync(tiny_mo
     assert err < 0.08, f"max logit error {err:.4f} of the largest logit"
     prompts = [" ".join(f"w{t}z" for t in PROMPT[:n]) for n in (4, 11)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for mode in ("on", "off"):
-        llm = LLM(str(folder), dtype="float32", max_model_len=128, async_scheduling=mode,
-                  quantization="int8")
-        try:
-            outs[mode] = [o.outputs[0].token_ids for o in
-                          llm.generate(prompts, params, use_tqdm=False)]
-            assert_all_blocks_free(llm)
-        finally:
-            llm.shutdown()
+    outs = tokens_sync_and_async(str(folder), prompts, params, quantization="int8")
     assert outs["on"] == outs["off"]
     assert all(len(t) == 10 for t in outs["on"])
 
