@@ -12,6 +12,7 @@ them per call).
 | ``FORERUN_SMALL_BATCH_TOKENS`` | ``128`` in bfloat16 with AMX, else ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
 | ``FORERUN_HUGE_PAGES`` | ``1`` | ``0``: the small-batch path's packed weights are not advised for transparent huge pages |
 | ``FORERUN_COLLECTIVE_TIMEOUT_S`` | ``60`` | a TP/PP rank that does not answer a collective or a send within this many seconds fails the step (a hung rank becomes an error) |
+| ``FORERUN_WORKER_MULTIPROC_METHOD`` | ``spawn`` | how forerun starts its engine-core and rank processes: ``spawn`` (a fresh interpreter each) or ``forkserver`` (forked from one server process that imported torch and forerun once: a process that starts many engines pays the imports once) |
 | ``FORERUN_RANK_FAULT`` | unset | tests only: ``RANK:load`` makes that tensor/pipeline-parallel rank raise while it loads its weights (a start-up fault) |
 """
 
@@ -83,6 +84,15 @@ def master_port() -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"MASTER_PORT must be an integer, got {value!r}") from None
+
+
+def worker_multiproc_method() -> str:
+    """``FORERUN_WORKER_MULTIPROC_METHOD``: ``spawn`` (default) or ``forkserver``."""
+    value = os.environ.get("FORERUN_WORKER_MULTIPROC_METHOD") or "spawn"
+    if value not in ("spawn", "forkserver"):
+        raise ValueError("FORERUN_WORKER_MULTIPROC_METHOD must be spawn or forkserver, "
+                         f"got {value!r}")
+    return value
 
 
 def launcher_rank() -> tuple[int, int] | None:

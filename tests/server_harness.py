@@ -116,12 +116,37 @@ DEFAULT = ServerArgs()  # the session's shared default server
 
 
 def engine_pid(server_pid: int) -> int:
-    """The pid of the engine-core process a server spawned."""
-    for pid in child_pids(server_pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return pid
+    """The pid of the engine-core process a server started."""
+    for pid in started_pids(server_pid):
+        return pid
     raise AssertionError("no engine core process found")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def started_pids(parent: int) -> list[int]:
+    """Live processes ``parent`` started through forerun.spawn (engine cores, ranks): its
+    spawned children, and the children of its fork server."""
+    found = []
+    for pid in child_pids(parent):
+        cmdline = _cmdline(pid)
+        if b"spawn_main" in cmdline:
+            found.append(pid)
+        elif b"multiprocessing.forkserver" in cmdline:
+            found.extend(child_pids(pid))
+    return found
+
+
+def forkserver_pids(parent: int) -> list[int]:
+    """``parent``'s fork server, if it started one."""
+    return [pid for pid in child_pids(parent)
+            if b"multiprocessing.forkserver" in _cmdline(pid)]
 
 
 def child_pids(parent: int) -> list[int]:

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forerun import LLM, SamplingParams
-from tests.server_harness import child_pids, pid_alive, start_server
+from tests.server_harness import pid_alive, start_server, started_pids
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):",
 
 
 def engine_pids(server_pid: int) -> list[int]:
-    pids = []
-    for pid in child_pids(server_pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                pids.append(pid)
-    return pids
+    return started_pids(server_pid)
 
 
 def per_engine(text: str, name: str) -> dict[str, float]:

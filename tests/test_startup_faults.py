@@ -28,7 +28,7 @@ import torch.distributed as dist
 from forerun import LLM, SamplingParams
 from forerun.distributed.parallel_state import free_port
 from forerun.worker.multiproc_executor import RankStartupError
-from tests.server_harness import child_pids
+from tests.server_harness import child_pids, forkserver_pids
 from tests.test_tensor_parallel import rank_pids, worker_thread_setup
 from tests.tiny_model import write_tiny_llama
 
@@ -65,6 +65,8 @@ def engine_kwargs(tiny_dir: Path) -> dict:
 def leftover_children() -> list[int]:
     """Rank processes of this process still there, zombies included (a zombie has no
     command line, so :func:`rank_pids` would not see it)."""
+    me = os.getpid()
+    servers = set(forkserver_pids(me))  # every child of the fork server is a rank
     left = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -76,7 +78,8 @@ def leftover_children() -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and (fields[0] == "Z" or b"spawn_main" in cmdline):
+        parent, zombie = int(fields[1]), fields[0] == "Z"
+        if parent == me and (zombie or b"spawn_main" in cmdline) or parent in servers:
             left.append(int(entry))
     return left
 
@@ -267,3 +270,16 @@ def test_a_bad_fault_switch_is_refused(monkeypatch):
         monkeypatch.setenv("FORERUN_RANK_FAULT", bad)
         with pytest.raises(ValueError, match="FORERUN_RANK_FAULT"):
             envs.rank_fault()
+
+
+def test_the_start_method_switch_takes_spawn_or_forkserver_and_refuses_others(monkeypatch):
+    from forerun import envs, spawn
+    monkeypatch.delenv("FORERUN_WORKER_MULTIPROC_METHOD", raising=False)
+    assert envs.worker_multiproc_method() == "spawn"
+    monkeypatch.setenv("FORERUN_WORKER_MULTIPROC_METHOD", "forkserver")
+    assert envs.worker_multiproc_method() == "forkserver"
+    monkeypatch.setenv("FORERUN_WORKER_MULTIPROC_METHOD", "fork")  # unsafe here: refused
+    with pytest.raises(ValueError, match="FORERUN_WORKER_MULTIPROC_METHOD"):
+        envs.worker_multiproc_method()
+    with pytest.raises(ValueError, match="spawn or forkserver"):
+        spawn.set_start_method("fork")

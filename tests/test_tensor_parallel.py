@@ -23,7 +23,7 @@ from forerun.config import EngineConfig
 from forerun.distributed.parallel_state import free_port
 from forerun.worker.executor import run_on_worker_thread
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import child_pids, pid_alive
+from tests.server_harness import pid_alive, started_pids
 from tests.tiny_model import write_tiny_llama
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1], [9, 8, 7, 6, 5, 9, 8],
@@ -47,12 +47,8 @@ def run(llm: LLM) -> list[list[int]]:
 
 
 def rank_pids() -> list[int]:
-    pids = []
-    for pid in child_pids(os.getpid()):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                pids.append(pid)
-    return pids
+    """This process's live rank (and engine-core) processes."""
+    return started_pids(os.getpid())
 
 
 def worker_thread_setup() -> tuple[set[int], int]:

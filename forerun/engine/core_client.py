@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -33,7 +32,7 @@ from forerun.engine.core_proc import run_engine_core
 from forerun.engine.dp_router import PrefixAwareRouter
 from forerun.pooling_params import PoolingParams
 from forerun.sampling_params import SamplingParams
-from forerun.spawn import main_hidden
+from forerun.spawn import start_process
 
 logger = logging.getLogger(__name__)
 
@@ -78,23 +77,20 @@ class EngineCoreClient:
     # ----- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         if self.engine_process:
-            ctx = multiprocessing.get_context("spawn")
             # A daemonic process may not start processes, and a core with TP/PP ranks
             # starts one per rank. Not daemonic, it is stopped here at exit instead (this
             # runs before multiprocessing's own exit hook, which would wait for it).
             daemon = self.config.world_size == 1
-            self._proc = ctx.Process(
-                target=run_engine_core, name="forerun-engine-core", daemon=daemon,
-                args=(self.config, self.input_addr, self.output_addr, os.getpid()))
-            with main_hidden():  # so that a script on stdin or a notebook can start it
-                self._proc.start()
+            self._proc = start_process(
+                run_engine_core, name="forerun-engine-core", daemon=daemon,
+                args=(self.config, self.input_addr, self.output_addr))
             if not daemon:
                 atexit.register(self.shutdown)
             logger.info("engine core process started (pid %d)", self._proc.pid)
         else:
             self._thread = threading.Thread(
                 target=run_engine_core, name="forerun-engine-core", daemon=True,
-                args=(self.config, self.input_addr, self.output_addr, None, True))
+                args=(self.config, self.input_addr, self.output_addr, True))
             self._thread.start()
 
     def wait_ready(self, timeout_s: float = 900.0) -> Ready:

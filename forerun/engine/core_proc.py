@@ -37,6 +37,7 @@ from forerun.engine.core_messages import (
 )
 from forerun.model.info import resolve_model_info
 from forerun.request import Request
+from forerun.spawn import parent_alive
 from forerun.worker.cpu_threads import take_cpu_share
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,11 @@ class EngineCoreProc:
     """Drains inputs, steps the core, and ships each step's outputs as one message."""
 
     def __init__(self, core: EngineCore, config: EngineConfig, in_sock: zmq.Socket,
-                 out_sock: zmq.Socket, parent_pid: int | None) -> None:
+                 out_sock: zmq.Socket, watch_parent: bool) -> None:
         self.core = core
         self.in_sock = in_sock
         self.out_sock = out_sock
-        self.parent_pid = parent_pid
+        self.watch_parent = watch_parent
         self.block_hasher = make_block_hasher(config.block_size)
         self.engine_index = config.data_parallel_rank
         # Requests whose first scheduling time has not been reported yet.
@@ -79,8 +80,8 @@ class EngineCoreProc:
                 self._step()
 
     def _parent_gone(self) -> bool:
-        # Re-parenting (getppid changes) means the API process died without telling us.
-        return self.parent_pid is not None and os.getppid() != self.parent_pid
+        # The API process died without telling us.
+        return self.watch_parent and not parent_alive()
 
     def _drain_inputs(self) -> None:
         while True:
@@ -149,7 +150,7 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
-                    parent_pid: int | None, in_process: bool = False) -> None:
+                    in_process: bool = False) -> None:
     """Entry point of the core process (or thread): build the core, report, loop."""
     if not in_process:
         logging.basicConfig(level=logging.INFO,
@@ -185,7 +186,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                 StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
             return
         out_sock.send(output_encoder.encode(Ready(os.getpid(), info.max_model_len)))
-        proc = EngineCoreProc(core, config, in_sock, out_sock, parent_pid)
+        proc = EngineCoreProc(core, config, in_sock, out_sock, not in_process)
         try:
             proc.run()
         except Exception as exc:

@@ -12,19 +12,15 @@ never waits for a later one to take the next step. A rank that dies makes the ne
 collective fail within the collective timeout, which fails the step and stops the engine;
 ranks exit when their parent goes.
 
-Start-up. Ranks are started with multiprocessing's "spawn" method: a fresh interpreter, not
-a fork of a process that already runs the engine's threads, an OpenMP pool and perhaps a
-CUDA context (a forked child inherits their locks in whatever state they were, and CUDA
-cannot be used in it at all; vLLM switches to spawn for the same reason). Spawn normally
-re-runs the parent's ``__main__`` in each child (from its file, or as its module), which
-breaks a script read from stdin (the child looks for a file named ``<stdin>`` and dies at
-once) and re-runs the top level of a script without an ``if __name__ == "__main__"``
-guard. A rank needs nothing from ``__main__``: its function and arguments all come from
-forerun. So the parent hides its ``__main__`` while a rank starts (:func:`forerun.spawn.main_hidden`),
-and the child imports only forerun: ranks start the same way from a file, ``python -``,
-``python -c`` or a notebook. (vLLM instead refuses ``python -`` with a message; working is
-better. A bootstrap of our own, ``python -m`` with the arguments over a pipe, would do the
-same but re-implement what spawn already does: passing the authkey, the fds, the sentinel.)
+Start-up. Ranks are started by :func:`forerun.spawn.start_process`: a fresh interpreter
+(multiprocessing's "spawn") or a fork of a fork server that imported torch once
+(``FORERUN_WORKER_MULTIPROC_METHOD=forkserver``), never a fork of a process that already
+runs the engine's threads, an OpenMP pool and perhaps a CUDA context (a forked child
+inherits their locks in whatever state they were, and CUDA cannot be used in it at all;
+vLLM switches to spawn for the same reason). A rank needs nothing from ``__main__``: its
+function and arguments all come from forerun, so the parent hides its ``__main__`` while a
+rank starts, and ranks start the same way from a file, ``python -``, ``python -c`` or a
+notebook. (vLLM instead refuses ``python -`` with a message; working is better.)
 
 Every rank process has a pipe back to the parent on which it reports its start-up stage,
 its exception with the traceback, or that it is ready; the parent waits for that and for
@@ -72,7 +68,7 @@ from forerun.distributed.parallel_state import (
 )
 from forerun.distributed.pipeline_parallel import stage_layers
 from forerun.model.loader import load_model
-from forerun.spawn import main_hidden
+from forerun.spawn import exit_with_parent, start_process
 from forerun.spec_decode.config import SpeculativeConfig
 from forerun.trace import Tracer
 from forerun.worker.cpu_threads import CallerThreadsGuard, take_cpu_share
@@ -135,13 +131,6 @@ def _recv_call(group: dist.ProcessGroup | None) -> tuple[str, tuple]:
     return pickle.loads(data.numpy().tobytes())
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(0.5)
-
-
 # What a rank process reports on its pipe during start-up: (kind, text).
 _STAGE, _READY, _FAILED = "stage", "ready", "failed"
 
@@ -149,12 +138,12 @@ _STAGE, _READY, _FAILED = "stage", "ready", "failed"
 def _report(conn: Connection, kind: str, text: str = "") -> None:
     try:
         conn.send((kind, text))
-    except OSError:  # the parent is gone or stopped listening; _watch_parent ends us
+    except OSError:  # the parent is gone or stopped listening; exit_with_parent ends us
         pass
 
 
 def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int,
-               addr: str, port: int, parent_pid: int,
+               addr: str, port: int,
                spec_config: SpeculativeConfig | None, cpu_share: tuple[int, int],
                conn: Connection) -> None:
     """A rank other than 0: join the group, load its shard, then run what rank 0 sends.
@@ -165,7 +154,7 @@ def _rank_main(config: EngineConfig, info: Any, num_blocks: int, rank: int,
                                "%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     try:
         take_cpu_share(*cpu_share)
         torch.manual_seed(config.seed)  # the same unseeded keys as rank 0
@@ -325,16 +314,13 @@ def spawn_ranks(config: EngineConfig, info: Any, num_blocks: int, ranks: range,
                 share_indices: list[int], num_shares: int) -> RankProcesses:
     """Start one process per rank in ``ranks`` (children of this process); they report
     their start-up to :meth:`RankProcesses.wait_ready`."""
-    ctx = multiprocessing.get_context("spawn")
     started: list[_Rank] = []
     try:
         for r, share in zip(ranks, share_indices, strict=True):
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, name=f"forerun-rank-{r}", daemon=True,
-                               args=(config, info, num_blocks, r, addr, port, os.getpid(),
-                                     spec_config, (share, num_shares), child_end))
-            with main_hidden():
-                proc.start()
+            parent_end, child_end = multiprocessing.Pipe(duplex=False)
+            proc = start_process(_rank_main, name=f"forerun-rank-{r}", daemon=True,
+                                 args=(config, info, num_blocks, r, addr, port,
+                                       spec_config, (share, num_shares), child_end))
             # Only the child holds its end now: its death closes the pipe.
             child_end.close()
             started.append(_Rank(r, proc, parent_end))
