@@ -528,6 +528,49 @@ def test_the_ranks_shares_of_a_moe_layer_sum_to_the_whole(expert_parallel: bool,
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "experts"])
+def test_the_ranks_shares_of_gguf_experts_sum_to_the_whole_layer(expert_parallel: bool) -> None:
+    """Block-backed experts (Q8_0 gate/up, Q4_0 down) split over two ranks in their blocks:
+    whole experts, or each expert's gate/up rows and down input columns (cut between
+    blocks, so every block's integer dot product is the whole layer's). Summed as the
+    all-reduce sums them, the ranks give the one-process quantized layer up to the order of
+    the float sums."""
+    from forerun.distributed.tensor_parallel import shard_moe
+    from forerun.model.moe import FusedMoE
+
+    torch.manual_seed(4)
+    router = torch.randn(4, 64)
+    weights = [(0.3 * torch.randn(128, 64), 0.3 * torch.randn(64, 64)) for _ in range(4)]
+
+    def blocks(w: torch.Tensor, qtype: GT) -> tuple[int, torch.Tensor]:
+        return int(qtype), torch.from_numpy(quantize(w.numpy(), qtype))
+
+    def layer() -> FusedMoE:  # built afresh (a GGUF linear holds C pointers: no deepcopy)
+        moe = FusedMoE(64, 64, 4, 2, renormalize=True)
+        with torch.no_grad():
+            moe.gate.weight.copy_(router)
+        moe.use_quantized_experts([
+            (GGUFLinear([blocks(w13[:64], GT.Q8_0), blocks(w13[64:], GT.Q8_0)], 64),
+             GGUFLinear([blocks(w2, GT.Q4_0)], 64)) for w13, w2 in weights])
+        return moe
+
+    x = torch.randn(9, 64)
+    want = layer()(x).double()
+    seen: list[torch.Tensor] = []
+    for rank in range(2):
+        part = layer()
+        shard_moe(part, _SumOverRanks(rank, 2, seen), expert_parallel)
+        assert part.w13 is None and len(part.quant_experts) == (2 if expert_parallel else 4)
+        gate_up, down = part.quant_experts[0]
+        assert isinstance(gate_up, GGUFLinear) and isinstance(down, GGUFLinear)
+        assert (gate_up.out_features, down.in_features) == (
+            (128, 64) if expert_parallel else (64, 32))
+        part(x)
+    got = (seen[0] + seen[1]).double()
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_two_ranks_give_the_tokens_of_one_process(tiny_moe) -> None:
     """TP=2 with expert parallelism (whole experts per rank; the width split is checked
     above) against the one-process engine: real ranks, real all-reduces."""

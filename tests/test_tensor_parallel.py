@@ -24,7 +24,7 @@ from forerun.distributed.parallel_state import free_port
 from forerun.worker.executor import run_on_worker_thread
 from tests.conftest import assert_all_blocks_free
 from tests.server_harness import pid_alive, started_pids
-from tests.tiny_model import write_tiny_llama
+from tests.tiny_model import write_tiny_llama, write_word_tokenizer
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7, 300, 12, 64, 1], [9, 8, 7, 6, 5, 9, 8],
            [100, 200, 300, 10, 20, 30, 40, 50, 60, 70, 80, 90, 11], [44, 45, 46]]
@@ -110,6 +110,64 @@ def test_int8_weights_split_over_two_ranks_stay_near_one_process(tiny_dir):
     split_err = (got["int8-tp2"] - got["int8"]).abs().max()
     assert 0 < quant_err < 0.2, float(quant_err)
     assert split_err <= 2 * quant_err, (float(split_err), float(quant_err))
+    assert rank_pids() == []
+
+
+GGUF_PROMPTS = [[5, 17, 250, 3, 99, 42, 7, 200, 12, 64, 1], [9, 8, 7, 6, 5, 9, 8],
+                [100, 200, 30, 10, 20, 30, 40, 50, 60, 70, 80, 90, 11]]
+
+
+@pytest.mark.parametrize("mix", ["Q8_0-tied", "Q4_K_M-untied"])
+def test_gguf_blocks_split_over_two_ranks_give_the_logprobs_of_one_process(
+        tmp_path: Path, mix: str) -> None:
+    """quantization="gguf" with TP=2: each rank keeps its rows (q/k/v, gate/up, the
+    vocabulary of the embedding and head) and its input columns (o, down) in their blocks.
+    Every block's integer dot product is the one-process one; only the order of the float
+    sums differs. So the prompts' log-probabilities are the one-process engine's to float
+    rounding at almost every position (a last-bit difference now and then moves an
+    activation across an 8-bit rounding step: well within the quantization's own error),
+    greedy tokens are equal, and every block is freed."""
+    from gguf import GGMLQuantizationType as GT
+
+    from tests.test_quant_e2e import _Q4_K_M, _write_tiny_gguf
+
+    file = tmp_path / f"{mix}.gguf"
+    if mix == "Q8_0-tied":
+        # hidden 64, MLP 128: 32 and 64 input columns a rank, whole Q8_0 blocks
+        _write_tiny_gguf(file, GT.Q8_0, tied=True, seed=3, inter=128)
+    else:  # 256 columns a rank: one K-quant super-block
+        _write_tiny_gguf(file, GT.Q4_K, tied=False, seed=4, hidden=512, inter=512,
+                         types=_Q4_K_M, std=0.05)
+    write_word_tokenizer(tmp_path / "tok", vocab=256, eos=3)  # the file has no vocabulary
+    kw = dict(model=str(file), tokenizer=str(tmp_path / "tok"), dtype="float32",
+              max_model_len=128)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for name, extra in {"exact": {}, "gguf": {"quantization": "gguf"},
+                        "gguf-tp2": {"quantization": "gguf", "tensor_parallel_size": 2}
+                        }.items():
+        llm = LLM(**kw, **extra)
+        try:
+            lp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            outs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], lp,
+                                use_tqdm=False)
+            logprobs = torch.tensor([pos[t].logprob for o, p in zip(outs, GGUF_PROMPTS,
+                                                                      strict=True)
+                                     for pos, t in zip(o.prompt_logprobs[1:], p[1:],
+                                                       strict=True)])
+            tokens = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in GGUF_PROMPTS], params, use_tqdm=False)]
+            got[name] = (logprobs, tokens)
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    (exact, _), (one, one_tokens), (two, two_tokens) = got.values()
+    quant_err = (one - exact).abs()
+    split_err = (two - one).abs()
+    assert quant_err.max() > 1e-3  # the blocks are what ran, not dequantized weights
+    assert split_err.median() < 1e-5, split_err
+    assert split_err.max() < quant_err.max(), (float(split_err.max()), float(quant_err.max()))
+    assert two_tokens == one_tokens
     assert rank_pids() == []
 
 
@@ -241,3 +299,35 @@ def test_vocab_parallel_embedding_rows_sum_to_the_whole_with_a_padded_vocabulary
     shards = [VocabParallelEmbedding(full, Local(r, 3)) for r in range(3)]
     assert [s.weight.shape[0] for s in shards] == [4, 4, 4]
     assert torch.equal(sum(s(ids) for s in shards), full[ids])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_gguf_rows_and_columns_of_a_rank_are_those_of_the_dequantized_matrix(qtype: str):
+    """A rank's share of a block-backed linear, cut from the blocks: rows (with zero rows
+    of padding, as the last rank of a vocabulary gets) and whole blocks of input columns
+    dequantize (by gguf's own reader) to exactly that part of the whole matrix; a cut
+    inside a block is refused with a message that names the block size."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as GT
+    from gguf.quants import dequantize, quantize
+
+    from forerun.model.quant.gguf_linear import GGUFLinear
+    from tests.kquant_pack import BLOCK_BYTES as KQUANT_PACKED
+    from tests.kquant_pack import pack_kquant
+
+    t = GT[qtype]
+    w = np.random.default_rng(1).standard_normal((40, 512)).astype(np.float32)
+    raw = pack_kquant(w, t) if t in KQUANT_PACKED else quantize(w, t)
+    whole = dequantize(raw, t)
+    lin = GGUFLinear([(int(t), torch.from_numpy(raw))], 512)
+
+    def dense(part: GGUFLinear) -> np.ndarray:
+        ((pt, rows),) = part.parts
+        return dequantize(rows.numpy(), GT(pt))
+
+    ids = torch.tensor([3, 4, 5, 17, 39])
+    got = dense(lin.take_rows(ids, pad=2))
+    assert np.array_equal(got[:5], whole[ids.numpy()]) and not got[5:].any()
+    assert np.array_equal(dense(lin.take_columns(256, 512)), whole[:, 256:])
+    with pytest.raises(ValueError, match=f"inside its blocks of {256 if qtype != 'Q8_0' else 32}"):
+        lin.take_columns(0, 128 + 16)

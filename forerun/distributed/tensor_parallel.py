@@ -9,6 +9,12 @@ each rank's KV cache holds only its heads. The embedding and the output head are
 by vocabulary rows: a rank looks up the ids in its range (zeros elsewhere) and an
 all-reduce sums the rows; for the logits each rank computes its slice and an all-gather
 joins them.
+
+Weights held as GGUF blocks (``quantization="gguf"``) are split the same way in their
+blocks: a rank keeps its output rows of a column-parallel linear, and its input columns of
+a row-parallel one, which must then be cut between blocks (32 values, 256 for the
+K-quants); the embedding and head keep their vocabulary rows in blocks, and a mixture of
+experts' block-backed experts are split by whole experts or by width as float ones are.
 """
 
 from __future__ import annotations
@@ -19,17 +25,17 @@ from torch import nn
 
 from forerun.distributed.parallel_state import TensorParallelGroup
 from forerun.model.moe import FusedMoE
+from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 
 
 class RowParallel(nn.Module):
-    """A linear over this rank's input columns, summed over the ranks, then the bias."""
+    """A linear over this rank's input columns (``linear``: float or GGUF blocks, without
+    bias), summed over the ranks, then the bias."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+    def __init__(self, linear: nn.Module, bias: torch.Tensor | None,
                  group: TensorParallelGroup) -> None:
         super().__init__()
-        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                                device=weight.device, dtype=weight.dtype)
-        self.linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.linear = linear
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
@@ -62,19 +68,42 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
 
 
-class VocabParallelHead(nn.Module):
-    """The output head over this rank's vocabulary rows; the logits of all ranks gathered."""
+class VocabParallelGGUFEmbedding(nn.Module):
+    """:class:`VocabParallelEmbedding` over GGUF blocks: this rank's rows of the table,
+    held in blocks (zero rows past the vocabulary), a lookup dequantizing only its rows."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int,
-                 group: TensorParallelGroup) -> None:
+    def __init__(self, full: GGUFEmbedding, group: TensorParallelGroup) -> None:
         super().__init__()
-        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                              device=weight.device, dtype=weight.dtype)
-        self.proj.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        table = full._table[0]
+        n = table.out_features
+        per = -(-n // group.size)
+        self.start = group.rank * per
+        ids = torch.arange(self.start, min(self.start + per, n))
+        self.table = table.take_rows(ids, pad=per - len(ids))
+        self.rows_held, self.dtype = per, full.dtype
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = (ids - self.start).reshape(-1)
+        inside = (local >= 0) & (local < self.rows_held)
+        rows = self.table.rows(local.clamp(0, self.rows_held - 1)).to(self.dtype)
+        rows = rows * inside.unsqueeze(-1).to(rows.dtype)
+        return self.group.all_reduce(rows.reshape(*ids.shape, -1))
+
+
+class VocabParallelHead(nn.Module):
+    """The output head over this rank's vocabulary rows (``proj``: float or GGUF blocks);
+    the logits of all ranks gathered."""
+
+    def __init__(self, proj: nn.Module, vocab_size: int, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.proj = proj
         self.vocab_size = vocab_size
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.proj, GGUFLinear):  # float32 in, as the one-process GGUF head
+            hidden = hidden.float()
         local = self.proj(hidden).float().contiguous()
         parts = [torch.empty_like(local) for _ in range(self.group.size)]
         self.group.all_gather(parts, local)
@@ -105,30 +134,44 @@ def shard_moe(moe: FusedMoE, group: TensorParallelGroup, expert_parallel: bool) 
     (one all-reduce, as a dense MLP's down projection). With ``expert_parallel`` a rank
     keeps whole experts, ``num_experts / size`` of them, and adds only their rows (every
     rank routes every token: the activations are replicated); otherwise it keeps a slice of
-    every expert's width, gate/up by rows and down by columns."""
+    every expert's width, gate/up by rows and down by columns (block-backed experts too)."""
     size, rank = group.size, group.rank
-    assert moe.w13 is not None and moe.w2 is not None
-    if expert_parallel:
-        per = moe.num_experts // size
-        moe.local_experts = range(rank * per, (rank + 1) * per)
-        keep = slice(rank * per, (rank + 1) * per)
-        w13, w2 = moe.w13[keep], moe.w2[keep]
-        b13 = None if moe.b13 is None else moe.b13[keep]
-        b2 = None if moe.b2 is None else moe.b2[keep]
-    else:
-        full, inter = moe.intermediate_size, moe.intermediate_size // size
-        rows = torch.cat([torch.arange(rank * inter, (rank + 1) * inter),
-                          full + torch.arange(rank * inter, (rank + 1) * inter)])
-        w13, w2 = moe.w13[:, rows], moe.w2[:, :, rank * inter:(rank + 1) * inter]
-        b13 = None if moe.b13 is None else moe.b13[:, rows]
-        # Each rank's down projection is a partial sum; the bias joins it once (rank 0).
-        b2 = None if moe.b2 is None else moe.b2 if rank == 0 else torch.zeros_like(moe.b2)
-        moe.intermediate_size = inter
-    moe.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
-    moe.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+    full, inter = moe.intermediate_size, moe.intermediate_size // size
+    per = moe.num_experts // size
+    keep = slice(rank * per, (rank + 1) * per)
+    rows = torch.cat([torch.arange(rank * inter, (rank + 1) * inter),
+                      full + torch.arange(rank * inter, (rank + 1) * inter)])
+    b13, b2 = moe.b13, moe.b2
     if b13 is not None and b2 is not None:  # gpt-oss's expert biases
+        if expert_parallel:
+            b13, b2 = b13[keep], b2[keep]
+        else:
+            # Each rank's down projection is a partial sum; the bias joins it once (rank 0).
+            b13, b2 = b13[:, rows], b2 if rank == 0 else torch.zeros_like(b2)
         moe.b13 = nn.Parameter(b13.contiguous(), requires_grad=False)
         moe.b2 = nn.Parameter(b2.contiguous(), requires_grad=False)
+    experts = None
+    if moe.quant_experts is not None:  # quantization="gguf": block-backed experts
+        experts = [(gate_up, down) for gate_up, down in moe.quant_experts]
+        if expert_parallel:
+            experts = experts[keep]
+        else:
+            experts = [(gate_up.take_rows(rows), down.take_columns(rank * inter,
+                                                                   (rank + 1) * inter))
+                       for gate_up, down in experts]
+        moe.quant_experts = None
+    else:
+        assert moe.w13 is not None and moe.w2 is not None
+        w13, w2 = ((moe.w13[keep], moe.w2[keep]) if expert_parallel else
+                   (moe.w13[:, rows], moe.w2[:, :, rank * inter:(rank + 1) * inter]))
+        moe.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
+        moe.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+    if expert_parallel:
+        moe.local_experts = range(rank * per, (rank + 1) * per)
+    else:
+        moe.intermediate_size = inter
+    if experts is not None:
+        moe.use_quantized_experts(experts)
     moe.tp_group = group
 
 
@@ -139,6 +182,22 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     if bias is not None:
         lin.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
     return lin
+
+
+def _take_rows(linear: nn.Module, ids: torch.Tensor) -> nn.Module:
+    """Output rows ``ids`` of a float or block-backed linear (column parallel)."""
+    if isinstance(linear, GGUFLinear):
+        return linear.take_rows(ids)
+    b = linear.bias
+    return _linear(linear.weight[ids], None if b is None else b[ids])
+
+
+def _row_parallel(linear: nn.Module, start: int, end: int,
+                  group: TensorParallelGroup) -> RowParallel:
+    """Input columns ``start:end`` of a float or block-backed linear (row parallel)."""
+    part = (linear.take_columns(start, end) if isinstance(linear, GGUFLinear) else
+            _linear(linear.weight[:, start:end], None))
+    return RowParallel(part, linear.bias, group)
 
 
 def shard_model(model: nn.Module, group: TensorParallelGroup,
@@ -155,42 +214,47 @@ def shard_model(model: nn.Module, group: TensorParallelGroup,
         rows = [torch.arange(rank * hq * d, (rank + 1) * hq * d),
                 q_size + torch.arange(rank * hkv * d, (rank + 1) * hkv * d),
                 q_size + kv_size + torch.arange(rank * hkv * d, (rank + 1) * hkv * d)]
-        idx = torch.cat(rows)
-        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-        attn.qkv_proj = _linear(w[idx], None if b is None else b[idx])
+        attn.qkv_proj = _take_rows(attn.qkv_proj, torch.cat(rows))
         attn.num_heads, attn.num_kv_heads = hq, hkv
         if attn.sinks is not None:  # gpt-oss: one per query head, with its head
             attn.sinks = nn.Parameter(attn.sinks[rank * hq:(rank + 1) * hq].contiguous(),
                                       requires_grad=False)
         attn.q_size, attn.kv_size = hq * d, hkv * d
-        o = attn.o_proj
-        attn.o_proj = RowParallel(o.weight[:, rank * hq * d:(rank + 1) * hq * d], o.bias,
-                                  group)
+        attn.o_proj = _row_parallel(attn.o_proj, rank * hq * d, (rank + 1) * hq * d, group)
         mlp = layer.mlp
         if isinstance(mlp, FusedMoE):
             shard_moe(mlp, group, expert_parallel)
             continue
-        inter = mlp.intermediate_size // size
-        gu = mlp.gate_up_proj.weight
-        full = mlp.intermediate_size
-        mlp.gate_up_proj = _linear(torch.cat([gu[rank * inter:(rank + 1) * inter],
-                                              gu[full + rank * inter: full + (rank + 1) * inter]]),
-                                   None)
+        inter, full = mlp.intermediate_size // size, mlp.intermediate_size
+        mlp.gate_up_proj = _take_rows(mlp.gate_up_proj, torch.cat([
+            torch.arange(rank * inter, (rank + 1) * inter),
+            full + torch.arange(rank * inter, (rank + 1) * inter)]))
         mlp.intermediate_size = inter
-        dw = mlp.down_proj.weight
-        mlp.down_proj = RowParallel(dw[:, rank * inter:(rank + 1) * inter], None, group)
+        mlp.down_proj = _row_parallel(mlp.down_proj, rank * inter, (rank + 1) * inter, group)
     stage = model.pp_stage
-    emb = None
-    if model.model.embed_tokens is not None:  # a middle pipeline stage has none
-        emb = VocabParallelEmbedding(model.model.embed_tokens.weight, group)
-        model.model.embed_tokens = emb
+    emb: nn.Module | None = None
+    embed = model.model.embed_tokens  # a middle pipeline stage has none
+    if isinstance(embed, GGUFEmbedding):
+        emb = VocabParallelGGUFEmbedding(embed, group)
+    elif embed is not None:
+        emb = VocabParallelEmbedding(embed.weight, group)
+    model.model.embed_tokens = emb
     if stage is None or stage.is_last:
+        vocab = model.config.vocab_size
         if model.lm_head is None:  # tied: the head reads the embedding's rows
             assert emb is not None
-            head_rows = emb.weight
-        else:
-            head_rows = VocabParallelEmbedding(model.lm_head.weight, group).weight
+            head: nn.Module = (emb.table if isinstance(emb, VocabParallelGGUFEmbedding) else
+                               _linear(emb.weight, None))
+        elif isinstance(model.lm_head, GGUFLinear):
+            n = model.lm_head.out_features
+            per = -(-n // size)
+            ids = torch.arange(rank * per, min((rank + 1) * per, n))
+            head = model.lm_head.take_rows(ids, pad=per - len(ids))
             model.lm_head = None
-        model.tp_head = VocabParallelHead(head_rows, model.config.vocab_size, group)
+        else:
+            head = _linear(VocabParallelEmbedding(model.lm_head.weight, group).weight, None)
+            model.lm_head = None
+        model.tp_head = VocabParallelHead(head, vocab, group)
+    model.quant_head = None  # the whole head's blocks: tp_head holds this rank's
     # The one-call small-batch path has no all-reduce between its layers.
     model.small_batch.available = False

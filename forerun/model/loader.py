@@ -148,12 +148,8 @@ def load_model(
             entry.save_weights(model)
     model.eval()
     if tensor_parallel is not None and tensor_parallel.size > 1:
-        if quantization == "gguf":
-            raise ValueError("tensor_parallel_size > 1 runs unquantized or int8 weights; "
-                             "got quantization='gguf' (a GGUF file loads dequantized with "
-                             "quantization=None, or as int8 with quantization='int8')")
-        # int8 is applied below to this rank's share: the row-parallel linears' scales are
-        # then those of its input columns.
+        # GGUF blocks are split in their blocks; int8 is applied below to this rank's
+        # share: the row-parallel linears' scales are then those of its input columns.
         shard_model(model, tensor_parallel, expert_parallel)
     if quantization == "int8":
         logger.info("quantization=int8: %d linear weights quantized per output channel",

@@ -46,6 +46,7 @@ from forerun.model.quant.gguf_blocks import (
 from forerun.model.quant.kquant_blocks import (
     KBLOCK_BYTES,
     KTYPE_NAMES,
+    QK_K,
     dequantize_krows,
     kquant_matmul_torch,
     krow_bytes,
@@ -60,6 +61,11 @@ NATIVE_TYPE_NAMES: dict[int, str] = {**TYPE_NAMES, **KTYPE_NAMES}
 
 def _type_row_bytes(qtype: int, k: int) -> int:
     return krow_bytes(qtype, k) if qtype in KQUANT_TYPES else row_bytes(qtype, k)
+
+
+def block_values(qtype: int) -> int:
+    """Values per block of ``qtype``: 256 for the K-quants (and IQ4_XS), else 32."""
+    return QK_K if qtype in KQUANT_TYPES else QK
 
 
 class GGUFLinear(nn.Module):
@@ -145,6 +151,44 @@ class GGUFLinear(nn.Module):
     def resident_tensors(self) -> list[torch.Tensor]:
         """The tiles (for :func:`forerun.model.quant.resident_weight_bytes`)."""
         return [tiles for _, _, tiles in self.tiles]
+
+    def take_rows(self, ids: torch.Tensor, pad: int = 0) -> GGUFLinear:
+        """A linear of output rows ``ids`` (ascending) of this one, each part keeping its
+        type, then ``pad`` zero rows (zero blocks: every type decodes them to 0); the bias
+        taken with its rows. For a tensor-parallel rank's column-parallel share."""
+        parts, start = [], 0
+        for qtype, raw in self.parts:
+            n = raw.shape[0]
+            local = ids[(ids >= start) & (ids < start + n)] - start
+            if len(local):
+                parts.append((qtype, raw[local].contiguous()))
+            start += n
+        if pad:
+            qtype, raw = parts[-1]
+            parts[-1] = (qtype, torch.cat([raw, raw.new_zeros(pad, raw.shape[1])]))
+        bias = None
+        if self.bias is not None:
+            b = self.bias.detach()[ids]
+            bias = nn.Parameter(torch.cat([b, b.new_zeros(pad)]) if pad else b,
+                                requires_grad=False)
+        return GGUFLinear(parts, self.in_features, bias)
+
+    def take_columns(self, start: int, end: int) -> GGUFLinear:
+        """A linear over input columns ``start:end`` of this one (no bias): a
+        tensor-parallel rank's row-parallel share. The cut must fall between blocks."""
+        parts = []
+        for qtype, raw in self.parts:
+            vals = block_values(qtype)
+            if start % vals or end % vals:
+                raise ValueError(
+                    f"the tensor-parallel split cuts a {NATIVE_TYPE_NAMES[qtype]} weight of "
+                    f"{self.in_features} input values at {start}:{end}, inside its blocks of "
+                    f"{vals} values; choose a tensor_parallel_size that splits it at a "
+                    "multiple of that, or load the file dequantized (quantization=None) or "
+                    "as int8")
+            per = raw.shape[1] // (self.in_features // vals)
+            parts.append((qtype, raw[:, start // vals * per:end // vals * per].contiguous()))
+        return GGUFLinear(parts, end - start)
 
     def relocate(self, tiles: list[torch.Tensor]) -> None:
         """Read the tiles from ``tiles`` from now on: copies of :meth:`resident_tensors`, in
@@ -234,5 +278,5 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tenso
     return used
 
 
-__all__ = ["KQUANT_TYPES", "NATIVE_TYPE_NAMES", "QK", "SUPPORTED_TYPES", "GGUFEmbedding",
+__all__ = ["block_values", "KQUANT_TYPES", "NATIVE_TYPE_NAMES", "QK", "SUPPORTED_TYPES", "GGUFEmbedding",
            "GGUFLinear", "apply_gguf_blocks"]
