@@ -280,16 +280,27 @@ def test_int8_experts_match_the_float64_oracle_of_their_int8_rows(
     assert wrong > 1e-2, float(wrong)
 
 
-def test_int8_moe_engine_is_close_to_the_exact_one_and_async_equals_sync(tiny_moe) -> None:
+def test_int8_moe_engine_is_close_to_the_exact_one_and_async_equals_sync(
+        tiny_moe, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole model with int8 experts: the prompt's logits within a few percent of the
-    float32 engine's, and the async and sync engines give the same tokens."""
+    float32 engine's, the one-call decoder stack (its MoE block over the int8 experts) the
+    op-by-op path's function, and the async and sync engines give the same tokens."""
     _, exact, folder = tiny_moe
     source = resolve_model(str(folder))
     quant = load_model(source, load_model_config(source), torch.float32, CPU,
                        quantization="int8")
     with torch.inference_mode():
         ref = PagedDriver(exact).step([("a", PROMPT)])[0]
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "0")
         got = PagedDriver(quant).step([("a", PROMPT)])[0]
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
+        stacked = PagedDriver(quant).step([("a", PROMPT)])[0]
+        assert quant.small_batch.mode == "int8" and quant.small_batch.applies(
+            torch.zeros(len(PROMPT), COMMON["hidden_size"]))
+        # The same int8 rows and row quantization; only the order of the weighted sums
+        # differs.
+        torch.testing.assert_close(stacked, got, atol=1e-4, rtol=1e-4)
+        monkeypatch.delenv("FORERUN_SMALL_BATCH_TOKENS")
     err = (got - ref).abs().max() / ref.abs().max()
     assert err < 0.08, f"max logit error {err:.4f} of the largest logit"
     prompts = [" ".join(f"w{t}z" for t in PROMPT[:n]) for n in (4, 11)]

@@ -26,7 +26,9 @@ With ``quantization="int8"`` a layer holds :class:`Int8Linear` (o, gate/up, down
 plain q/k/v: the stack then takes a descriptor per linear (``linear_t`` of
 ``decoder_stack.c``: the packed weight, or the int8 rows with their scales and row sums) and
 runs each with its own kernel, the int8 ones as ``Int8Linear.forward`` does op by op (the
-same row quantization, exact integer sums, the same rescale).
+same row quantization, exact integer sums, the same rescale). A mixture of experts' int8
+experts are ``linear_t`` too, run by the MoE block (``csrc/moe_block.c``) over the same
+dispatch, so a decode step reads only the chosen experts' int8 rows.
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ class SmallBatchStack:
         # blocks), "plain" (every one an nn.Linear), "int8" (Int8Linear beside plain ones).
         self.mode: str | None = None
         self._descs: list[_LinearDesc] = []  # "int8": the table's linear_t, kept alive
+        self._expert_descs: list[_LinearDesc] = []  # "int8": its experts' linear_t
         self._default_tokens: dict[torch.dtype, int] = {}  # max_tokens' default per dtype
 
     def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
@@ -194,9 +197,9 @@ class SmallBatchStack:
 
     def _mode(self) -> str | None:
         """"gguf": every layer linear (and expert) is in GGUF blocks; "plain": every one is
-        a plain ``nn.Linear`` (and stacked float experts); "int8": dense layers whose
-        linears are :class:`Int8Linear` or plain; None: another mix (int8 experts among
-        them), which the stack cannot run."""
+        a plain ``nn.Linear`` (and stacked float experts); "int8": linears that are
+        :class:`Int8Linear` or plain, and any experts int8; None: another mix, which the
+        stack cannot run."""
         if not all(isinstance(layer.mlp, GatedMLP | FusedMoE)
                    for layer in self.model.model.layers):
             return None
@@ -208,7 +211,8 @@ class SmallBatchStack:
                   if isinstance(moe.quant_experts[0][0], Int8Linear) else "gguf"
                   for _, moe in self._moe_layers()}
         if kinds <= {"int8", "plain"} and "int8" in kinds:
-            return "int8" if not self._moe_layers() else None
+            int8_experts = all(moe.quant_experts is not None for _, moe in self._moe_layers())
+            return "int8" if int8_experts else None
         if None in kinds or len(kinds) > 1:
             return None
         return kinds.pop() if kinds else "plain"
@@ -256,7 +260,7 @@ class SmallBatchStack:
             return False
         if self.mode == "gguf":
             return True
-        if self._has_moe and x.dtype != torch.float32:
+        if self._has_moe and x.dtype != torch.float32 and self.mode == "plain":
             return False  # plain experts in bfloat16 would need packed copies of them all
         return ((self._even or x.dtype == torch.float32)
                 and cpu_kernels.small_matmul_is_fast(x.dtype))
@@ -378,9 +382,16 @@ class SmallBatchStack:
 
     def _moe_entry(self, moe: FusedMoE) -> tuple[int, int]:
         """A MoE layer's table entries: its router as float32 [E, H], and each expert's
-        gate/up and down weight (block descriptors, or plain float32 rows)."""
+        gate/up and down weight (block descriptors, int8 ``linear_t``, or plain float32
+        rows)."""
         router = moe.gate.weight.detach().float().contiguous()
-        if moe.quant_experts is not None:
+        if moe.quant_experts is not None and isinstance(moe.quant_experts[0][0], Int8Linear):
+            # Their rows stay where they are (not moved to huge pages), so these addresses
+            # hold for the stack's life.
+            descs = [self._linear_desc("", lin) for pair in moe.quant_experts for lin in pair]
+            self._expert_descs += descs
+            addrs = [ctypes.addressof(d) for d in descs]
+        elif moe.quant_experts is not None:
             addrs = [ctypes.addressof(lin.desc) for pair in moe.quant_experts for lin in pair]
         else:
             assert moe.w13 is not None and moe.w2 is not None

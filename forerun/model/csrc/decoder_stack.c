@@ -77,6 +77,10 @@ int moe_block_q_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, 
                     const float *, const int64_t *);
 int moe_block_q_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                      int64_t, const float *, const int64_t *);
+int moe_block_l_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    const float *, const int64_t *);
+int moe_block_l_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     int64_t, const float *, const int64_t *);
 int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *, void *, int64_t,
                    int64_t, int64_t, int64_t, int64_t);
 int kv_cache_write_kvq(const void *, const void *, int64_t, const int64_t *, void *, void *,
@@ -130,8 +134,8 @@ typedef struct {
         free(acc);                                                                              \
         return rc;                                                                              \
     }                                                                                           \
-    static int linear_matmul_##SFX(const T *x, const void *desc, const T *bias, T *y,           \
-                                   int64_t m, int64_t n, int64_t k) {                           \
+    int linear_matmul_##SFX(const T *x, const void *desc, const T *bias, T *y, int64_t m,       \
+                            int64_t n, int64_t k) {                                             \
         const linear_t *l = desc;                                                               \
         switch (l->kind) {                                                                      \
         case LIN_PLAIN: return small_matmul_##SFX(x, l->w, bias, y, m, n, k);                   \
@@ -142,9 +146,8 @@ typedef struct {
 DEFINE_INT8_LINEAR(float, f32)
 DEFINE_INT8_LINEAR(uint16_t, bf16)
 
-/* Stacks without a MoE body: plain bfloat16 (its experts would need packed copies) and
- * mixed int8 linears (dense MLPs only). Such models do not take the path (small_batch.py),
- * and these are never called. */
+/* Stacks without a MoE body: plain bfloat16 (its experts would need packed copies). Such
+ * models do not take the path (small_batch.py), and this is never called. */
 #define DEFINE_MOE_NONE(T, NAME)                                                                \
     static int NAME(const T *h, T *out, int64_t t, int64_t hidden, int64_t e, int64_t k,        \
                     int64_t i, int64_t renormalize, const float *router,                        \
@@ -154,7 +157,6 @@ DEFINE_INT8_LINEAR(uint16_t, bf16)
         return -2;                                                                              \
     }
 DEFINE_MOE_NONE(uint16_t, moe_block_none)
-DEFINE_MOE_NONE(float, moe_block_none_f32)
 
 /* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
  * (small_matmul over plain/packed weights, or gguf_matmul over GGUF blocks of any type,
@@ -240,6 +242,6 @@ DEFINE_STACK(float, f32, small_matmul_f32, moe_block_f32, decoder_stack_f32)
 DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, moe_block_none, decoder_stack_bf16)
 DEFINE_STACK(float, f32, gguf_matmul_f32, moe_block_q_f32, decoder_stack_q_f32)
 DEFINE_STACK(uint16_t, bf16, gguf_matmul_bf16, moe_block_q_bf16, decoder_stack_q_bf16)
-/* Mixed linears (linear_t). */
-DEFINE_STACK(float, f32, linear_matmul_f32, moe_block_none_f32, decoder_stack_l_f32)
-DEFINE_STACK(uint16_t, bf16, linear_matmul_bf16, moe_block_none, decoder_stack_l_bf16)
+/* Mixed linears (linear_t), int8 experts too. */
+DEFINE_STACK(float, f32, linear_matmul_f32, moe_block_l_f32, decoder_stack_l_f32)
+DEFINE_STACK(uint16_t, bf16, linear_matmul_bf16, moe_block_l_bf16, decoder_stack_l_bf16)

@@ -8,8 +8,8 @@
  *
  * The router weight is float32 [E, H] (a few hundred KiB; the logits of a step are a few
  * thousand multiply-adds per token); experts[2e] and experts[2e + 1] are expert e's gate/up
- * and down weights in the form the matmul reads (plain float32 rows, or GGUF block
- * descriptors).
+ * and down weights in the form the matmul reads (plain float32 rows, GGUF block
+ * descriptors, or decoder_stack.c's linear_t: quantization="int8"'s experts).
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
 #include <math.h>
@@ -27,6 +27,10 @@ int gguf_matmul_f32(const float *, const void *, const float *, float *, int64_t
                     int64_t);
 int gguf_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
                      int64_t, int64_t);
+int linear_matmul_f32(const float *, const void *, const float *, float *, int64_t, int64_t,
+                      int64_t);
+int linear_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
+                       int64_t, int64_t);
 
 /* ids[i * k + j], w[i * k + j]: token i's j-th expert and its weight (largest first). */
 static void route(const float *logits, int64_t t, int64_t e, int64_t k, int renormalize,
@@ -158,4 +162,7 @@ static int plain_matmul_f32(const float *x, const void *w, const float *bias, fl
 DEFINE_MOE(float, moe_block_f32, plain_matmul_f32, silu_and_mul_f32, ID, ID)
 DEFINE_MOE(float, moe_block_q_f32, gguf_matmul_f32, silu_and_mul_f32, ID, ID)
 DEFINE_MOE(uint16_t, moe_block_q_bf16, gguf_matmul_bf16, silu_and_mul_bf16, bf16_to_f32,
+           f32_to_bf16)
+DEFINE_MOE(float, moe_block_l_f32, linear_matmul_f32, silu_and_mul_f32, ID, ID)
+DEFINE_MOE(uint16_t, moe_block_l_bf16, linear_matmul_bf16, silu_and_mul_bf16, bf16_to_f32,
            f32_to_bf16)
