@@ -211,6 +211,11 @@ SHAPES: dict[str, Shape] = {
     "30b-a3b": Shape("30b-a3b", "Qwen3-30B-A3B, 12 of 48 layers", 2048, 12, 32, 4, 6144,
                      False, 1.0, ("Q4_K_M",), experts=128, top_k=8, moe_mlp=768,
                      head_dim_override=128),
+    # The same layer in float weights against vLLM (its CPU fused MoE), in as few layers as
+    # vLLM's and forerun's float32 copies fit in 24 GiB one after the other: 2.5 GB of bf16.
+    "30b-a3b-float": Shape("30b-a3b-float", "Qwen3-30B-A3B, 2 of 48 layers", 2048, 2, 32, 4,
+                           6144, False, 1.0, ("bf16", "float32", "int8"), experts=128,
+                           top_k=8, moe_mlp=768, head_dim_override=128),
 }
 
 
@@ -690,23 +695,29 @@ def run_shape(files: ShapeFiles, types: list[str], args: argparse.Namespace
     """Every engine's rows, one weight type at a time with the engines back to back: a shared
     machine's speed can drift over a long run, so each ratio compares runs minutes apart,
     not the two ends of the run."""
-    shape, rows = files.shape, []
-    logs = files.root / "logs"
+    rows: list[dict[str, Any]] = []
     for t in types:
         if "forerun" in args.engines:
             rows += _forerun_rows(files, t, args)
         if "llama.cpp" in args.engines and t in GGUF_TYPES:
             rows.append(_llama_cpp_row(files, t, args))
-    if "vllm" in args.engines and args.vllm_python and "bf16" in types:
-        _log(f"{shape.name}: vLLM bf16")
-        try:
-            r = run_worker("vllm", engine_spec(shape, args, files.hf, "bfloat16", None),
-                           args.vllm_python, logs / "vllm.log")
-            rows.append(row(shape, "vLLM CPU", "bf16 (HF)", file=str(files.hf),
-                            step_weight_bytes=2 * shape.step_params(), **r))
-        except Exception as exc:
-            rows.append(row(shape, "vLLM CPU", "bf16 (HF)", error=str(exc)))
+        if "vllm" in args.engines and args.vllm_python and t in ("bf16", "float32"):
+            rows.append(_vllm_row(files, t, args))
     return rows
+
+
+def _vllm_row(files: ShapeFiles, t: str, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM CPU on the HF folder in bf16, or float32 (what both engines compute in
+    natively on a CPU without AVX512-BF16)."""
+    shape, dtype = files.shape, "bfloat16" if t == "bf16" else "float32"
+    _log(f"{shape.name}: vLLM {t}")
+    try:
+        r = run_worker("vllm", engine_spec(shape, args, files.hf, dtype, None),
+                       args.vllm_python, files.root / "logs" / f"vllm-{t}.log")
+    except Exception as exc:
+        return row(shape, "vLLM CPU", f"{t} (HF)", error=str(exc))
+    return row(shape, "vLLM CPU", f"{t} (HF)", file=str(files.hf),
+               step_weight_bytes=(2 if t == "bf16" else 4) * shape.step_params(), **r)
 
 
 # --- tables -------------------------------------------------------------------------------
@@ -736,9 +747,17 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """forerun / llama.cpp on the same file (and bf16: the same weights from the HF folder)."""
+    """forerun / llama.cpp on the same file (and bf16: the same weights from the HF folder);
+    forerun / vLLM on the same HF folder in the same dtype."""
     ok = {(r["shape"], r["engine"], r["weights"]): r for r in rows if "error" not in r}
     out = []
+    for (shape, engine, weights), peer in ok.items():
+        if engine != "vLLM CPU" or (shape, "forerun", weights) not in ok:
+            continue
+        mine = ok[(shape, "forerun", weights)]
+        out.append({"shape": shape, "weights (same file)": f"{weights} vs vLLM",
+                    **{k: mine[f"{k}_tok_s"] / peer[f"{k}_tok_s"]
+                       for k in ("prompt", "decode", "batch")}})
     for (shape, engine, weights), llama in ok.items():
         if engine != "llama.cpp":
             continue
