@@ -78,6 +78,43 @@ def test_fused_experts_match_a_float64_per_token_reference(top_k: int, routing: 
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("routing", ["random", "one-expert", "some-idle"])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_the_layer_in_one_c_call_matches_a_float64_per_token_reference(
+        top_k: int, routing: str) -> None:
+    """FusedMoE.forward where the C kernels run: routing, grouping and every expert in
+    csrc/moe_block.c (one call for the layer), against the float64 reference routed by the
+    float64 router logits; experts without tokens, all tokens on one, k = 1, 2, 8."""
+    from forerun.model.moe import FusedMoE
+
+    if not cpu_kernels.supports(torch.float32, CPU):
+        pytest.skip("no C kernels")
+    torch.manual_seed(10 + top_k)
+    e, t, h, i = 8, 13, 32, 24
+    moe = FusedMoE(h, i, e, top_k, renormalize=top_k > 1)
+    x = torch.randn(t, h)
+    x[:, 0] = 1.0  # a constant feature: the router's column 0 is then a per-expert offset
+    with torch.no_grad():
+        moe.w13.copy_(0.3 * torch.randn(e, 2 * i, h))
+        moe.w2.copy_(0.3 * torch.randn(e, h, i))
+        moe.gate.weight.copy_(torch.randn(e, h))
+        if routing == "one-expert" and top_k == 1:
+            moe.gate.weight[5, 0] += 100.0  # every token on expert 5
+        elif routing == "some-idle":
+            moe.gate.weight[[0, 3, 6], 0] -= 100.0  # no token for experts 0, 3 and 6
+    assert moe._c_block(x) is not None
+    logits = x.double() @ moe.gate.weight.double().T
+    weights, ids = select_experts(logits, top_k, renormalize=top_k > 1)
+    if routing == "one-expert" and top_k == 1:
+        assert set(ids.flatten().tolist()) == {5}
+    if routing == "some-idle" and top_k < 6:
+        assert not {0, 3, 6} & set(ids.flatten().tolist())
+    with torch.inference_mode():
+        got = moe(x)
+    torch.testing.assert_close(got.double(), _reference(x, moe.w13, moe.w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_router_weights_are_the_softmaxs_top_k(renormalize: bool) -> None:
     logits = torch.randn(6, 8, dtype=torch.float64)

@@ -149,6 +149,12 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
+    moe_args = [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
+    for name in ("moe_block_f32", "moe_block_q_f32", "moe_block_q_bf16", "moe_block_l_f32",
+                 "moe_block_l_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = moe_args
     bind_gguf_kernels(lib)
     bind_int8_kernels(lib)
     bind_prompt_attention(lib)
@@ -444,6 +450,34 @@ def decoder_stack(dtype: torch.dtype) -> ctypes._CFuncPtr:
 def decoder_stack_quantized(dtype: torch.dtype) -> ctypes._CFuncPtr:
     """The decoder stack over GGUF block descriptors (quantization="gguf")."""
     return _fn("decoder_stack_q", dtype)
+
+
+class LinearDesc(ctypes.Structure):
+    """``linear_t`` of decoder_stack.c: a linear of a plain (small matmul's form) or an
+    int8 kind (``LIN_INT8``: int8 rows, per-row scales and row sums), for the stack's
+    mixed linears and the MoE block's int8 experts."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("wsum", ctypes.c_void_p)]
+
+
+LIN_PLAIN, LIN_INT8 = 0, 1  # linear_t's kinds
+
+
+def moe_block(kind: str, x: torch.Tensor, out: torch.Tensor, num_experts: int, top_k: int,
+              intermediate: int, renormalize: bool, router: torch.Tensor,
+              experts: torch.Tensor) -> None:
+    """``out [t, H]`` = the MoE MLP of contiguous ``x [t, H]`` by csrc/moe_block.c: routing
+    by the float32 ``router [E, H]`` rows, every chosen expert over its tokens' rows.
+    ``experts`` int64 ``[2E]``: expert e's gate/up and down weight addresses, of ``kind``
+    ``"plain"`` (float32 rows; float32 only), ``"gguf"`` (block descriptors) or ``"mixed"``
+    (:class:`LinearDesc`)."""
+    name = {"plain": "moe_block", "gguf": "moe_block_q", "mixed": "moe_block_l"}[kind]
+    rc = _fn(name, x.dtype)(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], num_experts,
+                            top_k, intermediate, int(renormalize), router.data_ptr(),
+                            experts.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"{name} failed ({rc})")
 
 
 def decoder_stack_mixed(dtype: torch.dtype) -> ctypes._CFuncPtr:

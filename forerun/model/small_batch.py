@@ -75,16 +75,6 @@ class _StackArgs(ctypes.Structure):
     ]
 
 
-class _LinearDesc(ctypes.Structure):
-    """``linear_t`` of decoder_stack.c: one linear of a stack of mixed kinds."""
-
-    _fields_ = [("kind", ctypes.c_int64), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("wsum", ctypes.c_void_p)]
-
-
-_LIN_PLAIN, _LIN_INT8 = 0, 1  # linear_t's kinds
-
-
 def unsupported_features(model: LlamaForCausalLM) -> list[str]:
     """What the model does that ``decoder_stack.c`` does not (empty: the stack runs it
     exactly).
@@ -177,8 +167,9 @@ class SmallBatchStack:
         # Once pack() or applies() has seen the layers: "gguf" (every layer linear in GGUF
         # blocks), "plain" (every one an nn.Linear), "int8" (Int8Linear beside plain ones).
         self.mode: str | None = None
-        self._descs: list[_LinearDesc] = []  # "int8": the table's linear_t, kept alive
-        self._expert_descs: list[_LinearDesc] = []  # "int8": its experts' linear_t
+        # "int8": the table's linear_t and its experts', kept alive.
+        self._descs: list[cpu_kernels.LinearDesc] = []
+        self._expert_descs: list[cpu_kernels.LinearDesc] = []
         self._default_tokens: dict[torch.dtype, int] = {}  # max_tokens' default per dtype
 
     def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
@@ -370,15 +361,17 @@ class SmallBatchStack:
                 -1, _NUM_LAYER_PTRS)
         return self._weights
 
-    def _linear_desc(self, key: str, module: torch.nn.Module) -> _LinearDesc:
+    def _linear_desc(self, key: str, module: torch.nn.Module) -> cpu_kernels.LinearDesc:
         """``linear_t`` of one layer linear: its int8 rows, scales and row sums, or the
         packed copy :meth:`pack` made."""
         if isinstance(module, Int8Linear):
-            return _LinearDesc(kind=_LIN_INT8, w=module.weight_q.data_ptr(),
-                               scale=module.weight_scale.data_ptr(),
-                               wsum=module.weight_sum.data_ptr())
+            return cpu_kernels.LinearDesc(kind=cpu_kernels.LIN_INT8,
+                                          w=module.weight_q.data_ptr(),
+                                          scale=module.weight_scale.data_ptr(),
+                                          wsum=module.weight_sum.data_ptr())
         assert self._linears is not None
-        return _LinearDesc(kind=_LIN_PLAIN, w=self._linears[key].data.data_ptr())
+        return cpu_kernels.LinearDesc(kind=cpu_kernels.LIN_PLAIN,
+                                      w=self._linears[key].data.data_ptr())
 
     def _moe_entry(self, moe: FusedMoE) -> tuple[int, int]:
         """A MoE layer's table entries: its router as float32 [E, H], and each expert's
