@@ -214,7 +214,7 @@ SHAPES: dict[str, Shape] = {
     # The same layer in float weights against vLLM (its CPU fused MoE), in as few layers as
     # vLLM's and forerun's float32 copies fit in 24 GiB one after the other: 2.5 GB of bf16.
     "30b-a3b-float": Shape("30b-a3b-float", "Qwen3-30B-A3B, 2 of 48 layers", 2048, 2, 32, 4,
-                           6144, False, 1.0, ("bf16", "float32", "int8"), experts=128,
+                           6144, False, 1.0, ("bf16", "float32", "int8", "Q4_K_M"), experts=128,
                            top_k=8, moe_mlp=768, head_dim_override=128),
 }
 
