@@ -115,6 +115,46 @@ def test_the_layer_in_one_c_call_matches_a_float64_per_token_reference(
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["int8", "gguf"])
+def test_quantized_experts_in_bfloat16_take_the_c_block_within_bf16_rounding(kind: str) -> None:
+    """int8 and GGUF-block experts with bfloat16 activations: the layer in one C call
+    (float32 accumulation, one rounding) within bf16's rounding of the torch path (which
+    rounds every intermediate), and far from it with two experts swapped."""
+    from forerun.model.moe import FusedMoE
+    from forerun.model.quant.int8_linear import int8_experts
+
+    if not cpu_kernels.supports(torch.bfloat16, CPU):
+        pytest.skip("no C kernels")
+    torch.manual_seed(7)
+    moe = FusedMoE(64, 64, 8, 2, renormalize=True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    if kind == "int8":
+        experts = int8_experts(moe)
+    else:
+        def blocks(w: torch.Tensor) -> tuple[int, torch.Tensor]:
+            return int(GT.Q8_0), torch.from_numpy(quantize(w.detach().numpy(), GT.Q8_0))
+
+        experts = [(GGUFLinear([blocks(moe.w13[e, :64]), blocks(moe.w13[e, 64:])], 64),
+                    GGUFLinear([blocks(moe.w2[e])], 64)) for e in range(8)]
+    moe.use_quantized_experts(experts)
+    moe = moe.to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert moe._c_block(x) is not None
+    with torch.inference_mode():
+        got = moe(x).float()
+        moe._c_block = lambda x: None  # the torch path
+        ref = moe(x).float()
+        pairs = list(moe.quant_experts)
+        moe.quant_experts = torch.nn.ModuleList([pairs[1], pairs[0], *pairs[2:]])
+        del moe._c_block
+        swapped = moe(x).float()
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() < 0.02 * scale  # measured 0.4-0.8%
+    assert (swapped - ref).abs().max() > 0.1 * scale
+
+
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_router_weights_are_the_softmaxs_top_k(renormalize: bool) -> None:
     logits = torch.randn(6, 8, dtype=torch.float64)
