@@ -22,8 +22,9 @@ weights. Per shape and weight type:
   ``llama-batched-bench -npp 128 -ntg 128 -npl 32``, ``32 * 128 / t`` (its ``t`` = prompt +
   generation).
 
-Rows: llama.cpp (``-t 2``, default settings, so its weight repacking is on) on the bf16,
-Q8_0, Q4_0, Q4_K_M, Q5_K_M and Q6_K files; forerun (a subprocess per configuration, both
+Rows: llama.cpp (``-t 2``, default settings, so its weight repacking is on; where that run
+dies on a signal, as on some AMX CPUs for quantized files, it is rerun with ``--repack 0`` and
+the row says so) on the bf16, Q8_0, Q4_0, Q4_K_M, Q5_K_M and Q6_K files; forerun (a subprocess per configuration, both
 cores) in bf16 and float32 and with ``quantization="int8"`` on the HF folder, and with
 ``quantization="gguf"`` on each quantized GGUF (a bf16 GGUF has no blocks for it to run; the
 bf16 HF row has the same weights); vLLM CPU in bf16 on the HF folder (``--vllm-python``).
@@ -584,11 +585,12 @@ def run_worker(kind: str, spec: dict[str, Any], python: str, log: Path) -> dict[
 
 
 # --- llama.cpp ----------------------------------------------------------------------------
-def llama_bench(llama_dir: Path, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
+def llama_bench(llama_dir: Path, gguf: Path, args: argparse.Namespace,
+                repack: bool = True) -> dict[str, Any]:
     """``pp512`` and ``tg128`` of ``llama-bench -t 2`` (defaults otherwise: repacking on)."""
     cmd = [str(llama_tool(llama_dir, "llama-bench")), "-m", str(gguf), "-t", str(args.threads),
            "-p", str(args.prompt_len), "-n", str(args.decode_len), "-r", str(args.repeats),
-           "-o", "json"]
+           "-o", "json", *([] if repack else ["--repack", "0"])]
     load = check_quiet(f"llama-bench {gguf.name}")
     _log("+ " + " ".join(cmd))
     proc, peak = run_peak_rss(cmd)
@@ -602,12 +604,14 @@ def llama_bench(llama_dir: Path, gguf: Path, args: argparse.Namespace) -> dict[s
     return result
 
 
-def llama_batched(llama_dir: Path, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
+def llama_batched(llama_dir: Path, gguf: Path, args: argparse.Namespace,
+                  repack: bool = True) -> dict[str, Any]:
     """``llama-batched-bench``: ``batch`` streams x 128 -> 128, median over repeats."""
     ctx = args.batch * (args.decode_len * 2)
     cmd = [str(llama_tool(llama_dir, "llama-batched-bench")), "-m", str(gguf),
            "-t", str(args.threads), "-c", str(ctx), "-npp", str(args.decode_len),
-           "-ntg", str(args.decode_len), "-npl", str(args.batch), "--output-format", "jsonl"]
+           "-ntg", str(args.decode_len), "-npl", str(args.batch), "--output-format", "jsonl",
+           *([] if repack else ["--no-repack"])]
     load = check_quiet(f"llama-batched-bench {gguf.name}")
     runs, peak = [], 0.0
     for _ in range(args.repeats):
@@ -680,13 +684,25 @@ def _llama_cpp_row(files: ShapeFiles, t: str, args: argparse.Namespace) -> dict[
         return row(shape, "llama.cpp", t, error=f"{gguf} missing or no --llama-cpp-dir")
     _log(f"{shape.name}: llama.cpp {t}")
     llama_dir = Path(args.llama_cpp_dir)
-    try:
-        bench = llama_bench(llama_dir, gguf, args)
-        batched = llama_batched(llama_dir, gguf, args)
-    except (subprocess.CalledProcessError, RuntimeError) as exc:
-        err = getattr(exc, "stderr", None) or str(exc)
-        return row(shape, "llama.cpp", t, file=str(gguf), error=err[-2000:])
+    crashed: int | None = None
+    for repack in (True, False):
+        try:
+            bench = llama_bench(llama_dir, gguf, args, repack)
+            batched = llama_batched(llama_dir, gguf, args, repack)
+            break
+        except subprocess.CalledProcessError as exc:
+            # On some AMX CPUs llama.cpp's repacked kernels die on a signal (SIGSEGV, SIGILL)
+            # for quantized files; its users then turn repacking off, and so does this row.
+            if repack and exc.returncode < 0:
+                crashed = -exc.returncode
+                _log(f"llama.cpp {t}: killed by signal {crashed} with repacking on; "
+                     "rerun with --repack 0")
+                continue
+            return row(shape, "llama.cpp", t, file=str(gguf), error=(exc.stderr or str(exc))[-2000:])
+        except RuntimeError as exc:
+            return row(shape, "llama.cpp", t, file=str(gguf), error=str(exc)[-2000:])
     return row(shape, "llama.cpp", t, file=str(gguf), step_weight_bytes=gguf_step_bytes(gguf),
+               repack=crashed is None, repack_crash_signal=crashed,
                **{**bench, **batched, "load": bench["load"] + batched["load"]})
 
 
@@ -731,7 +747,9 @@ def add_floor(rows: list[dict[str, Any]], rate_gb_s: float | None) -> None:
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
-        line = {"shape": r["shape"], "engine, weights": f"{r['engine']} {r['weights']}"}
+        note = (f" (--repack 0: signal {r['repack_crash_signal']} with it on)"
+                if r.get("repack_crash_signal") else "")
+        line = {"shape": r["shape"], "engine, weights": f"{r['engine']} {r['weights']}{note}"}
         if "error" in r:
             line["prompt tok/s"] = "failed: " + r["error"].strip().splitlines()[-1][:80]
         else:
