@@ -24,11 +24,12 @@ weights. Per shape and weight type:
 
 Rows: llama.cpp (``-t 2``, default settings, so its weight repacking is on; where that run
 dies on a signal, as on some AMX CPUs for quantized files, it is rerun with ``--repack 0`` and
-the row says so) on the bf16, Q8_0, Q4_0, Q4_K_M, Q5_K_M and Q6_K files; forerun (a subprocess per configuration, both
-cores) in bf16 and float32 and with ``quantization="int8"`` on the HF folder, and with
-``quantization="gguf"`` on each quantized GGUF (a bf16 GGUF has no blocks for it to run; the
-bf16 HF row has the same weights); vLLM CPU in bf16 on the HF folder (``--vllm-python``).
-Llama-3.1-8B is built and run in Q4_K_M only. Greedy, ``ignore_eos``, fresh random prompt
+the row says so) on the bf16, Q8_0, Q4_0, Q4_K_M, Q5_K_M and Q6_K files; forerun (a
+subprocess per configuration, both cores) in bf16 and float32 and with
+``quantization="int8"`` on the HF folder, and with ``quantization="gguf"`` on each quantized
+GGUF (a bf16 GGUF has no blocks for it to run; the bf16 HF row has the same weights); vLLM
+CPU in bf16 on the HF folder (``--vllm-python``). Llama-3.1-8B is built and run in Q4_K_M
+only. Greedy, ``ignore_eos``, fresh random prompt
 ids (no prefix-cache hits), one untimed warm-up per engine, medians over ``--repeats``.
 The run starts by checking the 1-minute load average (warning above 1.5), and every timed
 section by checking that no other process is busy (machine_load.py); what they saw is in the
@@ -698,11 +699,12 @@ def _llama_cpp_row(files: ShapeFiles, t: str, args: argparse.Namespace) -> dict[
                 _log(f"llama.cpp {t}: killed by signal {crashed} with repacking on; "
                      "rerun with --repack 0")
                 continue
-            return row(shape, "llama.cpp", t, file=str(gguf), error=(exc.stderr or str(exc))[-2000:])
+            err = exc.stderr or str(exc)
+            return row(shape, "llama.cpp", t, file=str(gguf), error=err[-2000:])
         except RuntimeError as exc:
             return row(shape, "llama.cpp", t, file=str(gguf), error=str(exc)[-2000:])
     return row(shape, "llama.cpp", t, file=str(gguf), step_weight_bytes=gguf_step_bytes(gguf),
-               repack=crashed is None, repack_crash_signal=crashed,
+               repack_crash_signal=crashed,
                **{**bench, **batched, "load": bench["load"] + batched["load"]})
 
 
