@@ -556,7 +556,8 @@ def small_matmul_has_amx() -> bool:
 # ---- GGUF blocks (csrc/gguf_matmul.c, quant_matmul.c, kquant_matmul.c) -------------------
 QUANT_MAX_PARTS = 4  # QW_MAXPARTS in csrc/qweight.h
 # The files of the GGUF matmul, which a test may build alone for another instruction set.
-GGUF_SOURCES = ("gguf_matmul.c", "quant_matmul.c", "ktile_gemm.c", "kquant_matmul.c")
+GGUF_SOURCES = ("gguf_matmul.c", "quant_matmul.c", "quant_amx.c", "ktile_gemm.c",
+                "kquant_matmul.c")
 
 
 class QWeightDesc(ctypes.Structure):
@@ -583,6 +584,17 @@ def bind_gguf_kernels(lib: ctypes.CDLL) -> None:
     for name in ("quant_matmul_isa", "kquant_matmul_isa"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
+    lib.quant_matmul_amx_set.restype = ctypes.c_int
+    lib.quant_matmul_amx_set.argtypes = [ctypes.c_int]
+
+
+def set_gguf_amx(enabled: bool, lib: ctypes.CDLL | None = None) -> bool:
+    """Let the GGUF matmul take its AMX path (csrc/quant_amx.c: bfloat16, many rows, the
+    weight dequantized to bfloat16 tiles) where the CPU has AMX, or not (the integer bodies
+    every CPU runs); returns the previous setting."""
+    lib = lib or kernel_library()
+    assert lib is not None, "call supports() first"
+    return bool(lib.quant_matmul_amx_set(int(enabled)))
 
 
 def gguf_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,

@@ -12,6 +12,24 @@
 #define Q6T_QL 288                        /* Q6_K: offset of the ql lines */
 #define Q6T_QH 2336                       /* Q6_K: offset of the qh lines */
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+/* Sub-block j's 6-bit scale and min of the 16 rows (one byte each) from a Q4_K/Q5_K tile's
+ * 12 scale lines c (byte c of every row; ggml's get_scale_min_k4, 16 rows at once). */
+static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *mn) {
+    const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
+    if (j < 4) {
+        *sc = _mm_and_si128(c[j], six);
+        *mn = _mm_and_si128(c[j + 4], six);
+    } else {
+        *sc = _mm_or_si128(_mm_and_si128(c[j + 4], lo4),
+                           _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j - 4], 6), two), 4));
+        *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c[j + 4], 4), lo4),
+                           _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
+    }
+}
+#endif
+
 /* The expanded path exists in the AVX2 build without byte dot-product instructions, where
  * unpacking a line's 4-6 bit values costs as much as the products of the rows it feeds
  * (maddubs and madd, two instructions per four values, where VNNI takes one). */

@@ -428,21 +428,6 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
  * across rows: a row's dot product with an activation block of 32 needs no horizontal sum,
  * and its scale and min (one per row) multiply lane by lane. */
 
-/* Sub-block j's 6-bit scale and min of the 16 rows (one byte each) from a Q4_K/Q5_K tile's
- * 12 scale lines c (byte c of every row; ggml's get_scale_min_k4, 16 rows at once). */
-static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *mn) {
-    const __m128i six = _mm_set1_epi8(63), lo4 = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
-    if (j < 4) {
-        *sc = _mm_and_si128(c[j], six);
-        *mn = _mm_and_si128(c[j + 4], six);
-    } else {
-        *sc = _mm_or_si128(_mm_and_si128(c[j + 4], lo4),
-                           _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j - 4], 6), two), 4));
-        *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c[j + 4], 4), lo4),
-                           _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c[j], 6), two), 4));
-    }
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 /* All 16 rows of a line in one 512-bit vector: each activation row takes two VNNI
  * instructions per line (sub-blocks 2tp and 2tp + 1) where the 256-bit body below takes four
@@ -1099,6 +1084,10 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
         total += w->rows[p];
     }
     first_group[w->nparts] = groups;
+    if (x_bf16 && y_bf16 && m >= QAMX_MIN_ROWS) {
+        const int rc = quant_matmul_amx(x, w, y, bias, ldy, m, k);
+        if (rc != -2) return rc;
+    }
     const int64_t nb = k / QK;
     int with16 = 0; /* Q6_K's sums per 16, only where a part needs them */
     for (int64_t p = 0; p < w->nparts; ++p) with16 |= w->type[p] == QT_Q6_K;

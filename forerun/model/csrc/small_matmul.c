@@ -282,27 +282,11 @@ int small_matmul_bf16_is_fast(void) {
  * read once for up to 32 rows (four 16x16 float32 accumulator tiles), and once per further
  * 32 rows out of L1. Rows of x are padded to a multiple of 16 with zeros. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 /* Fewer rows: the loop above reads each weight once and is faster (1-4 rows: 5.5 against
  * 6.4-6.8 ms for SmolLM2's layer weights on a 2-core CPU; 8 rows: 9.5 against 7.3). */
 #define AMX_MIN_M 8
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
-/* Linux hands out the tile state only on request (once per process; idempotent). */
-static int amx_permitted(void) {
-    static volatile int state; /* 0 unknown, 1 granted, -1 refused */
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
 
 /* A stored 16x16 accumulator tile is store_block's [rows][NB] buffer: into rows r0.. of y. */
 INLINE void store_tile(uint16_t *y, const float *c, const uint16_t *bias, int64_t m, int64_t n,
@@ -366,14 +350,7 @@ int small_matmul_amx_bf16(const uint16_t *x, const uint16_t *w_packed, const uin
     }
 #pragma omp parallel
     {
-        tile_config_t cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) {
-            cfg.colsb[t] = 64;
-            cfg.rows[t] = 16;
-        }
-        _tile_loadconfig(&cfg);
+        amx_configure_full();
         float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < (nblocks + 1) / 2; ++p) {
