@@ -218,41 +218,14 @@ static void store_c(const float *c, uint16_t *y, int64_t ldy, const uint16_t *bi
 static void amx_groups(const uint16_t *xp, int64_t mp, int64_t k, const uint16_t *b0,
                        const uint16_t *b1, uint16_t *y, int64_t ldy, const uint16_t *bias,
                        int64_t m, int64_t col, int64_t cols0, int64_t cols1, float c[4][256]) {
-    const int two = b1 != NULL;
     for (int64_t i0 = 0; i0 < mp; i0 += 32) {
         const int rows2 = i0 + 16 < mp;
-        const uint16_t *x0 = xp + i0 * k, *x1 = x0 + 16 * k;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < k / 32; ++kb) {
-            _tile_loadd(4, x0 + kb * 32, k * 2);
-            _tile_loadd(6, b0 + kb * BT, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) {
-                _tile_loadd(7, b1 + kb * BT, 64);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-            if (rows2) {
-                _tile_loadd(5, x1 + kb * 32, k * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two) _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, c[0], 64);
+        amx_bf16_pass(xp + i0 * k, k, b0, b1, rows2, c);
         store_c(c[0], y, ldy, bias, m, i0, col, cols0);
-        if (two) {
-            _tile_stored(1, c[1], 64);
-            store_c(c[1], y, ldy, bias, m, i0, col + GR, cols1);
-        }
+        if (b1) store_c(c[1], y, ldy, bias, m, i0, col + GR, cols1);
         if (rows2) {
-            _tile_stored(2, c[2], 64);
             store_c(c[2], y, ldy, bias, m, i0 + 16, col, cols0);
-            if (two) {
-                _tile_stored(3, c[3], 64);
-                store_c(c[3], y, ldy, bias, m, i0 + 16, col + GR, cols1);
-            }
+            if (b1) store_c(c[3], y, ldy, bias, m, i0 + 16, col + GR, cols1);
         }
     }
 }

@@ -297,41 +297,14 @@ INLINE void store_tile(uint16_t *y, const float *c, const uint16_t *bias, int64_
 static void amx_pair(const uint16_t *xp, int64_t mp, int64_t k, const uint16_t *w0,
                      const uint16_t *w1, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                      int64_t n0, float c[4][256]) {
-    const int two = w1 != NULL;
     for (int64_t i0 = 0; i0 < mp; i0 += 32) {
         const int rows2 = i0 + 16 < mp;
-        const uint16_t *x0 = xp + i0 * k, *x1 = x0 + 16 * k;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < k / 32; ++kb) {
-            _tile_loadd(4, x0 + kb * 32, k * 2);
-            _tile_loadd(6, w0 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) {
-                _tile_loadd(7, w1 + kb * 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-            if (rows2) {
-                _tile_loadd(5, x1 + kb * 32, k * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two) _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, c[0], 64);
+        amx_bf16_pass(xp + i0 * k, k, w0, w1, rows2, c);
         store_tile(y, c[0], bias, m, n, i0, n0);
-        if (two) {
-            _tile_stored(1, c[1], 64);
-            store_tile(y, c[1], bias, m, n, i0, n0 + 16);
-        }
+        if (w1) store_tile(y, c[1], bias, m, n, i0, n0 + 16);
         if (rows2) {
-            _tile_stored(2, c[2], 64);
             store_tile(y, c[2], bias, m, n, i0 + 16, n0);
-            if (two) {
-                _tile_stored(3, c[3], 64);
-                store_tile(y, c[3], bias, m, n, i0 + 16, n0 + 16);
-            }
+            if (w1) store_tile(y, c[3], bias, m, n, i0 + 16, n0 + 16);
         }
     }
 }
