@@ -36,29 +36,10 @@ int quant_matmul_amx_set(int on) {
     defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include "amx.h"
 #include "fp16.h"
+#include "qtile.h"
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13,
-       QT_Q6_K = 14, QT_MXFP4 = 39 }; /* ggml's type ids */
 #define GR 16   /* weight rows per group (tile) */
 #define BT 512  /* bfloat16 values of a B tile: 32 of k for 16 rows */
-
-/* Bytes of one tile (one block of 16 rows), 0 for a type not held in tiles. */
-static int64_t tile_bytes(int64_t type) {
-    switch (type) {
-    case QT_Q4_0: return 16 * 18;
-    case QT_Q4_1: return 16 * 20;
-    case QT_Q8_0: return 16 * 34;
-    case QT_MXFP4: return 16 * 17;
-    case QT_Q4_K: return KT_BYTES(0);
-    case QT_Q5_K: return KT_BYTES(1);
-    case QT_Q6_K: return Q6T_BYTES;
-    default: return 0;
-    }
-}
-
-static int64_t tile_values(int64_t type) {
-    return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K ? 256 : 32;
-}
 
 /* B-tile lines 0 and 1 (dst, dst + 32) from 16 lanes (a tile's rows) of 4 values each, the
  * bytes of a lane (signed when sgn): the pairs (0, 1) and (2, 3), as w = q * s - o. */
@@ -95,7 +76,7 @@ static inline __m512 d16(const uint8_t *p) { /* the 16 rows' fp16 scales */
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* One tile (16 rows x tile_values(type)) as its B tiles, from b. */
+/* One tile (16 rows x block_values(type)) as its B tiles, from b. */
 static void dequant_tile(int64_t type, const uint8_t *t, uint16_t *b) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     switch (type) {
@@ -103,24 +84,16 @@ static void dequant_tile(int64_t type, const uint8_t *t, uint16_t *b) {
     case QT_Q4_1:
     case QT_MXFP4: {
         __m512 s, o;
-        const uint8_t *qs;
         if (type == QT_MXFP4) {
-            float e[GR];
-            for (int r = 0; r < GR; ++r) { /* 2^(e - 128), exact (see quant_matmul.c) */
-                const uint32_t bits = t[r] < 2 ? 0x00200000u << t[r] : (uint32_t)(t[r] - 1) << 23;
-                memcpy(&e[r], &bits, sizeof bits);
-            }
-            s = _mm512_loadu_ps(e);
-            o = _mm512_mul_ps(s, _mm512_set1_ps(12.f)); /* levels held as u = level + 12 */
-            qs = t + 16;
+            s = e8m0_half16(t);
+            o = _mm512_mul_ps(s, _mm512_set1_ps(MXFP4_OFFSET)); /* held as u = level + 12 */
         } else {
             s = d16(t);
             o = type == QT_Q4_0 ? _mm512_mul_ps(s, _mm512_set1_ps(8.f))
                                 : _mm512_sub_ps(_mm512_setzero_ps(), d16(t + 32));
-            qs = t + (type == QT_Q4_1 ? 64 : 32);
         }
-        const __m512i mx = _mm512_broadcast_i32x4(
-            _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+        const uint8_t *qs = t + tile_header(type);
+        const __m512i mx = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_U));
         for (int j = 0; j < 4; ++j) { /* value i low nibble of byte i, 16 + i the high one */
             const __m512i l = line(qs + 64 * j);
             __m512i lo = _mm512_and_si512(l, low4), hi = _mm512_and_si512(_mm512_srli_epi16(l, 4), low4);
@@ -135,7 +108,7 @@ static void dequant_tile(int64_t type, const uint8_t *t, uint16_t *b) {
     }
     case QT_Q8_0: {
         const __m512 s = d16(t), o = _mm512_setzero_ps();
-        for (int j = 0; j < 8; ++j) put_quad(line(t + 32 + 64 * j), 1, s, o, b + 64 * j);
+        for (int j = 0; j < 8; ++j) put_quad(line(t + tile_header(type) + 64 * j), 1, s, o, b + 64 * j);
         return;
     }
     case QT_Q4_K:
@@ -197,7 +170,7 @@ static void dequant_tile(int64_t type, const uint8_t *t, uint16_t *b) {
 
 /* A group's k values (its nt tiles) as B tiles. */
 static void dequant_group(int64_t type, const uint8_t *tiles, int64_t nt, uint16_t *b) {
-    const int64_t tb = tile_bytes(type), per = tile_values(type) / 32 * BT;
+    const int64_t tb = GR * block_bytes(type), per = block_values(type) / 32 * BT;
     for (int64_t i = 0; i < nt; ++i) dequant_tile(type, tiles + i * tb, b + i * per);
 }
 
@@ -249,8 +222,8 @@ int quant_matmul_amx(const uint16_t *x, const qweight_t *w, uint16_t *y, const u
     int64_t first_pair[QW_MAXPARTS + 1], first_row[QW_MAXPARTS], pairs = 0, rows = 0;
     int all_k = 1;
     for (int64_t p = 0; p < w->nparts; ++p) {
-        if (!tile_bytes(w->type[p]) || w->rows[p] < 1 || k % tile_values(w->type[p])) return -2;
-        all_k &= tile_values(w->type[p]) == 256;
+        if (!block_bytes(w->type[p]) || w->rows[p] < 1 || k % block_values(w->type[p])) return -2;
+        all_k &= block_values(w->type[p]) == 256;
         first_pair[p] = pairs;
         first_row[p] = rows;
         pairs += ((w->rows[p] + GR - 1) / GR + 1) / 2;
@@ -284,12 +257,12 @@ int quant_matmul_amx(const uint16_t *x, const qweight_t *w, uint16_t *y, const u
             if (!bt) continue;
             int64_t p = 0;
             while (q >= first_pair[p + 1]) ++p;
-            const int64_t type = w->type[p], nt = k / tile_values(type);
+            const int64_t type = w->type[p], nt = k / block_values(type);
             const int64_t g0 = 2 * (q - first_pair[p]), r0 = g0 * GR;
             const int64_t left = w->rows[p] - r0, two = left > GR;
-            const uint8_t *tiles = w->data[p] + g0 * nt * tile_bytes(type);
+            const uint8_t *tiles = w->data[p] + g0 * nt * GR * block_bytes(type);
             dequant_group(type, tiles, nt, bt);
-            if (two) dequant_group(type, tiles + nt * tile_bytes(type), nt, bt + GR * k);
+            if (two) dequant_group(type, tiles + nt * GR * block_bytes(type), nt, bt + GR * k);
             amx_groups(xp, mp, k, bt, two ? bt + GR * k : NULL, y, ldy, bias, m,
                        first_row[p] + r0, left < GR ? left : GR,
                        two ? (left - GR < GR ? left - GR : GR) : 0, c);

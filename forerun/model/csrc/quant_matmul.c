@@ -44,6 +44,7 @@
 #include "bf16.h"
 #include "fp16.h"
 #include "ktile.h"
+#include "qtile.h"
 #include "qweight.h"
 
 /* An empty asm that takes v in a register and may change it: GCC can then neither
@@ -66,47 +67,6 @@
 #endif
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
-
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13,
-       QT_Q6_K = 14, QT_MXFP4 = 39 }; /* ggml's type ids */
-
-/* MXFP4's levels plus 12, by nibble (the doubled E2M1 values 0 .5 1 1.5 2 3 4 6, then their
- * negatives), as the kernels' unsigned u. */
-static const uint8_t MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24,
-                                    12, 11, 10, 9,  8,  6,  4,  0};
-#define MXFP4_OFFSET 12.f
-
-/* 2^(e - 128) (float32, exact; subnormal for e < 2): the scale of MXFP4's doubled levels. */
-static inline float e8m0_half(uint8_t e) {
-    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float d;
-    memcpy(&d, &bits, sizeof d);
-    return d;
-}
-
-
-static int64_t block_bytes(int64_t type) {
-    switch (type) {
-    case QT_Q4_0: return 18;
-    case QT_Q4_1: return 20;
-    case QT_Q8_0: return 34;
-    case QT_MXFP4: return 17;
-    case QT_Q4_K: return 144;
-    case QT_Q5_K: return 176;
-    case QT_Q6_K: return 210;
-    default: return 0;
-    }
-}
-
-/* Bytes before the quant lines of a tile: the d (and m) of its 16 rows. */
-static inline int64_t tile_header(int64_t type) {
-    return type == QT_Q4_1 ? 64 : type == QT_MXFP4 ? 16 : 32;
-}
-
-/* Values per block: 32, or 256 for the K-quants' super-blocks. */
-static inline int64_t block_values(int64_t type) {
-    return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K ? 256 : QK;
-}
 
 /* ---- activations ------------------------------------------------------------------------ */
 /* Row of k floats -> int8 per block of 32, its scale s and s * sum(q); and, where ss16 is
@@ -159,16 +119,6 @@ static inline int32_t act4(const int8_t *a) { /* 4 activation bytes as one lane 
  * out[i][r] = row r of the group . activation row i. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ISA 3
-/* The 16 rows' MXFP4 scales 2^(e - 128) from their exponent bytes: 2^(e - 127) is the float
- * with exponent field e (e = 0: the subnormal 2^-127 instead), halved exactly. */
-static inline __m512 e8m0_half16(const uint8_t *e) {
-    const __m512i e32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));
-    const __m512i bits = _mm512_mask_mov_epi32(
-        _mm512_slli_epi32(e32, 23), _mm512_cmpeq_epi32_mask(e32, _mm512_setzero_si512()),
-        _mm512_set1_epi32(0x00400000));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.5f));
-}
-
 /* m a compile-time constant per instance (group_rows below), so each row's sum and
  * accumulator stay in registers for up to MAXM_K rows; a block's offset term (c times the
  * activations' scaled sum) goes into the same accumulator. */

@@ -8,12 +8,12 @@ they are. The C kernels read them for every matmul through one entry point
 (``csrc/gguf_matmul.c``): ``csrc/quant_matmul.c`` the tiles, with activations quantized per
 32 (why: :mod:`forerun.model.quant.gguf_blocks`), and ``csrc/kquant_matmul.c`` the other
 K-quants, with activations quantized per 32 as well
-(:mod:`forerun.model.quant.kquant_blocks`). Where the CPU has AMX, a bfloat16 matmul of many
-rows (a prefill, a large batch) of tiles instead dequantizes each pair of 16-row groups to
-bfloat16 tiles once and runs every row against them (``csrc/quant_amx.c``): 4.4-5.8x the
-integer bodies for K-quants at 512 rows on 2 cores, and level with a bfloat16 GEMM. In tiles a row's dot product needs no horizontal
+(:mod:`forerun.model.quant.kquant_blocks`). In tiles a row's dot product needs no horizontal
 sum and one load feeds 16 rows, which made Q4_K's matmul 1.2x faster for one token and 2x
-for 64 (2048 x 8192 on 2 cores). A fused projection whose parts are of both families runs
+for 64 (2048 x 8192 on 2 cores). Where the CPU has AMX, a bfloat16 matmul of many rows (a
+prefill, a large batch) of tiles instead dequantizes each pair of 16-row groups to bfloat16
+tiles once and runs every row against them (``csrc/quant_amx.c``): 4.4-5.8x the integer
+bodies for K-quants at 512 rows on 2 cores, level with a bfloat16 GEMM. A fused projection whose parts are of both families runs
 one kernel per family, each into its own columns. The single-stream path runs the same
 entry point inside its one-call decoder stack (``forerun/model/small_batch.py``), so a
 decode step reads each weight in its 2.6-8.5 bits.
