@@ -7,6 +7,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,19 @@ def llm_cache():
 def private_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep throw-away GGUFs out of the user's ~/.cache/forerun."""
     monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "forerun-cache"))
+
+
+def mapped_rss_kib(path: Path) -> int:
+    """This process's resident KiB of every mapping of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if re.match(r"[0-9a-f]+-[0-9a-f]+$", head[0]):  # a mapping's first line
+                inside = len(head) >= 6 and head[-1] == str(path.resolve())
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
 
 
 def assert_all_blocks_free(llm: Any) -> None:

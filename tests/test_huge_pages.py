@@ -48,6 +48,16 @@ def test_copies_are_equal_aligned_and_contiguous() -> None:
         assert torch.equal(c, t)
 
 
+def test_arena_hands_out_cache_lines_in_order_and_refuses_more_than_it_holds() -> None:
+    a, b = torch.arange(10, dtype=torch.uint8), torch.randn(20)
+    arena = huge_pages.Arena(huge_pages.aligned_bytes(a) + huge_pages.aligned_bytes(b))
+    ca, cb = arena.copy(a), arena.copy(b)
+    assert cb.data_ptr() - ca.data_ptr() == 64  # 10 bytes take one cache line
+    assert torch.equal(ca, a) and torch.equal(cb, b)
+    with pytest.raises(ValueError, match="arena of 192 bytes has 0 left, 64 asked"):
+        arena.copy(a)
+
+
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_buffer_is_advised_for_huge_pages_unless_turned_off(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from forerun.model.loader import (
     load_model_config,
     resolve_model,
 )
+from tests.conftest import mapped_rss_kib
 from tests.paged_driver import PagedDriver
 
 CPU = torch.device("cpu")
@@ -377,19 +377,6 @@ def test_small_batch_path_off_at_load_keeps_no_copy_and_stays_off(
     assert (got - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
 
 
-def _mapped_rss_kib(path: Path) -> int:
-    """This process's resident KiB of every mapping of ``path`` (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if re.match(r"[0-9a-f]+-[0-9a-f]+$", head[0]):  # a mapping's first line
-                inside = len(head) >= 6 and head[-1] == str(path.resolve())
-            elif inside and head[0] == "Rss:":
-                total += int(head[1])
-    return total
-
-
 def test_a_loaded_gguf_is_not_resident_twice(tiny, tmp_path: Path) -> None:
     """The weights are copied out of the file's mapping; its pages then leave this process's
     RSS (a GGUF would otherwise count twice: the model's copy and the mapped file)."""
@@ -402,13 +389,13 @@ def test_a_loaded_gguf_is_not_resident_twice(tiny, tmp_path: Path) -> None:
     _write_gguf(hf, path)
     reader = open_gguf(path)
     assert sum(int(np.asarray(t.data).view(np.uint8).sum() % 7) for t in reader.tensors) >= 0
-    before = _mapped_rss_kib(path)
+    before = mapped_rss_kib(path)
     assert before > 0.5 * path.stat().st_size / 1024  # every page was just read
     release_gguf_pages(reader)
-    assert _mapped_rss_kib(path) < 0.05 * before
+    assert mapped_rss_kib(path) < 0.05 * before
     source = resolve_model(str(path))
     load_model(source, load_model_config(source), torch.float32, CPU)  # reads it all again
-    assert _mapped_rss_kib(path) < 0.05 * before
+    assert mapped_rss_kib(path) < 0.05 * before
 
 
 def test_a_model_without_a_tokenizer_runs_with_another_folders(tiny, tmp_path: Path) -> None:

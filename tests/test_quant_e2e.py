@@ -18,11 +18,11 @@ from gguf.quants import dequantize, quantize
 from forerun import LLM, SamplingParams
 from forerun.model import cpu_kernels
 from forerun.model.errors import ModelLoadError
-from forerun.model.gguf_file import open_gguf
+from forerun.model.gguf_file import RawBlocks, open_gguf, release_gguf_pages
 from forerun.model.loader import load_model, load_model_config, resolve_model
-from forerun.model.quant.gguf_linear import KQUANT_TYPES, GGUFEmbedding, GGUFLinear
+from forerun.model.quant.gguf_linear import KQUANT_TYPES, SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear
-from tests.conftest import SMOLLM2_GGUF, smollm2_dir
+from tests.conftest import SMOLLM2_GGUF, mapped_rss_kib, smollm2_dir
 from tests.kquant_pack import BLOCK_BYTES as KQUANT_PACKED
 from tests.kquant_pack import pack_kquant
 from tests.paged_driver import PagedDriver
@@ -309,6 +309,31 @@ def test_types_not_run_natively_load_dequantized_and_are_logged(tmp_path: Path, 
 
 
 @pytest.mark.usefixtures("private_model_cache")
+def test_blocks_are_copied_out_of_the_mapping_one_lookup_at_a_time() -> None:
+    """quantization="gguf" reads the file through RawBlocks: a lookup copies that tensor's
+    blocks out of the mapping and drops the mapping's pages of it then, so a loader that
+    turns blocks into its own form one module at a time never holds the mapped file and
+    every copy at once. The copies are the file's bytes (SmolLM2's Q/K rows reordered, as
+    the model reads them: a llama file)."""
+    path = smollm2_dir() / SMOLLM2_GGUF
+    reader = open_gguf(path)
+    blocks = RawBlocks(reader, set(SUPPORTED_TYPES))
+    assert "model.layers.0.mlp.down_proj.weight" in blocks
+    assert "model.norm.weight" not in blocks  # float32, and 1-D
+    release_gguf_pages(reader)
+    copies = {name: blocks[name] for name in blocks}
+    looked_up = sum(raw.numel() for _, raw in copies.values())
+    assert looked_up > 0.5 * path.stat().st_size  # every linear and the embedding
+    assert mapped_rss_kib(path) * 1024 < 0.05 * looked_up
+    by_name = {t.name: t for t in reader.tensors}
+    for gguf_name, name in (("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
+                            ("token_embd.weight", "model.embed_tokens.weight")):
+        t = by_name[gguf_name]
+        qtype, raw = copies[name]
+        assert qtype == int(t.tensor_type)
+        assert np.array_equal(raw.numpy(), np.asarray(t.data).reshape(raw.shape))
+
+
 def test_gguf_quantization_needs_quantized_linears(tmp_path: Path) -> None:
     file = tmp_path / "f32.gguf"
     _write_tiny_gguf(file, GT.F32, tied=True, seed=1)

@@ -47,20 +47,37 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
     return raw[start:start + nbytes]
 
 
-def arena_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of CPU ``tensors``, back to back in one buffer from
-    :func:`empty_bytes`; each copy keeps the buffer alive."""
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    raw = empty_bytes(total)
-    out = []
-    for t, off in zip(tensors, offsets, strict=True):
-        dst = raw[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+def aligned_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` takes in an :class:`Arena` (its size rounded up to a cache line)."""
+    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+
+class Arena:
+    """One buffer from :func:`empty_bytes` of ``nbytes``, handed out front to back:
+    :meth:`copy` puts a tensor's copy at the next cache line (each copy keeps the buffer
+    alive). A caller that moves weights here one module at a time and drops the old ones as
+    it goes (:func:`release_freed_memory` now and then) holds one copy and a bit, not two."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._raw = empty_bytes(max(nbytes, _ALIGN))
+        self._used = 0
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        size = aligned_bytes(t)
+        if self._used + size > self._raw.numel():
+            raise ValueError(f"arena of {self._raw.numel()} bytes has {self._raw.numel() - self._used} "
+                             f"left, {size} asked")
+        nbytes = t.numel() * t.element_size()
+        dst = self._raw[self._used:self._used + nbytes].view(t.dtype).view(t.shape)
         dst.copy_(t)
-        out.append(dst)
-    return out
+        self._used += size
+        return dst
+
+
+def arena_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of CPU ``tensors``, back to back in one :class:`Arena`."""
+    arena = Arena(sum(aligned_bytes(t) for t in tensors))
+    return [arena.copy(t) for t in tensors]
 
 
 def release_freed_memory() -> None:

@@ -18,7 +18,7 @@ from forerun.model.cache import GGUFCacheEntry
 from forerun.model.config import ModelConfig
 from forerun.model.errors import ModelLoadError
 from forerun.model.gguf_file import (
-    gguf_raw_blocks,
+    RawBlocks,
     gguf_weights,
     open_gguf,
     release_gguf_pages,
@@ -84,8 +84,7 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
             "folder; use quantization='int8' or None")
     path = source.gguf_path
     reader = open_gguf(path)
-    blocks = {name: (qtype, raw.to(device))
-              for name, qtype, raw in gguf_raw_blocks(reader, set(SUPPORTED_TYPES))}
+    blocks = RawBlocks(reader, set(SUPPORTED_TYPES), device)
     used = apply_gguf_blocks(model, blocks, dtype) | apply_gguf_experts(model, blocks)
     if not any(n.endswith(("_proj.weight", "lm_head.weight")) for n in used):
         raise ModelLoadError(
@@ -96,7 +95,7 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
     # has no kernel here, or it is part of a fused linear with a part that has none.
     left = Counter(GGMLQuantizationType(int(t.tensor_type)).name for t in reader.tensors
                    if int(t.tensor_type) != int(GGMLQuantizationType.F32))
-    left.subtract(Counter(NATIVE_TYPE_NAMES[blocks[n][0]] for n in used))
+    left.subtract(Counter(NATIVE_TYPE_NAMES[blocks.qtype(n)] for n in used))
     if +left:
         logger.info("quantization=gguf: tensors loaded dequantized (not run in their blocks): "
                     "%s", ", ".join(f"{name} x {count}" for name, count in sorted((+left).items())))
