@@ -149,7 +149,7 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = ctypes.c_int
             fn.argtypes = args
-    moe_args = [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
+    moe_args = [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
     for name in ("moe_block_f32", "moe_block_q_f32", "moe_block_q_bf16", "moe_block_l_f32",
                  "moe_block_l_bf16"):
         fn = getattr(lib, name)
@@ -464,18 +464,28 @@ class LinearDesc(ctypes.Structure):
 LIN_PLAIN, LIN_INT8 = 0, 1  # linear_t's kinds
 
 
+class MoeOpts(ctypes.Structure):
+    """``moe_opts_t`` of csrc/moe_opts.h: gpt-oss's additions to a MoE layer (router bias,
+    softmax over the top k, expert biases, the clamped SwiGLU); pointers are addresses."""
+
+    _fields_ = [("router_bias", ctypes.c_void_p), ("softmax_over_top_k", ctypes.c_int64),
+                ("b13", ctypes.c_void_p), ("b2", ctypes.c_void_p),
+                ("swiglu_alpha", ctypes.c_float), ("swiglu_limit", ctypes.c_float)]
+
+
 def moe_block(kind: str, x: torch.Tensor, out: torch.Tensor, num_experts: int, top_k: int,
               intermediate: int, renormalize: bool, router: torch.Tensor,
-              experts: torch.Tensor) -> None:
+              experts: torch.Tensor, opts: MoeOpts | None = None) -> None:
     """``out [t, H]`` = the MoE MLP of contiguous ``x [t, H]`` by csrc/moe_block.c: routing
     by the float32 ``router [E, H]`` rows, every chosen expert over its tokens' rows.
     ``experts`` int64 ``[2E]``: expert e's gate/up and down weight addresses, of ``kind``
     ``"plain"`` (float32 rows; float32 only), ``"gguf"`` (block descriptors) or ``"mixed"``
-    (:class:`LinearDesc`)."""
+    (:class:`LinearDesc`); ``opts`` what the layer adds (gpt-oss), whose tensors the caller
+    keeps alive."""
     name = {"plain": "moe_block", "gguf": "moe_block_q", "mixed": "moe_block_l"}[kind]
     rc = _fn(name, x.dtype)(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], num_experts,
                             top_k, intermediate, int(renormalize), router.data_ptr(),
-                            experts.data_ptr())
+                            experts.data_ptr(), None if opts is None else ctypes.addressof(opts))
     if rc != 0:
         raise MemoryError(f"{name} failed ({rc})")
 

@@ -149,7 +149,7 @@ class FusedMoE(nn.Module):
         self.tp_group: Any = None
         self.local_experts: range | None = None
         # The C block's inputs (see _c_block), built on first use: (key, kind, router rows,
-        # expert address table, what the table points into).
+        # expert address table, options, what the table and options point into).
         self._c_cache: tuple[Any, ...] | None = None
 
     def use_quantized_experts(self, experts: list[tuple[nn.Module, nn.Module]]) -> None:
@@ -170,12 +170,14 @@ class FusedMoE(nn.Module):
     def _bias(self, y: torch.Tensor, bias: torch.Tensor | None, i: int) -> torch.Tensor:
         return y if bias is None else y + bias[i]
 
-    def _c_block(self, x: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor] | None:
-        """``(kind, router float32 [E, H], expert addresses int64 [2E])`` for
-        :func:`cpu_kernels.moe_block` where it computes this layer for ``x``; else None."""
-        if (self.swiglu is not None or self.b13 is not None or self.softmax_over_top_k
-                or self.local_experts is not None or x.dim() != 2 or x.shape[0] == 0
-                or not isinstance(self.gate, nn.Linear) or self.gate.bias is not None
+    def _c_block(self, x: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor, tuple] | None:
+        """``(kind, router float32 [E, H], expert addresses int64 [2E], the fields of
+        :class:`cpu_kernels.MoeOpts`)`` for :func:`cpu_kernels.moe_block` where it computes
+        this layer for ``x``; else None."""
+        biases = [b for b in (self.b13, self.b2) if b is not None]
+        if (self.local_experts is not None or x.dim() != 2 or x.shape[0] == 0
+                or not isinstance(self.gate, nn.Linear)
+                or any(b.dtype != x.dtype or not b.is_contiguous() for b in biases)
                 or not cpu_kernels.supports(x.dtype, x.device)):
             return None
         quant = self.quant_experts
@@ -189,9 +191,11 @@ class FusedMoE(nn.Module):
         # The table is keyed by what it points into; holding those keeps their addresses.
         held = quant if quant is not None else (self.w13, self.w2)
         key = (id(held) if quant is not None else (self.w13.data_ptr(), self.w2.data_ptr()),
-               self.gate.weight.data_ptr())
+               self.gate.weight.data_ptr(),
+               None if self.gate.bias is None else self.gate.bias.data_ptr(),
+               *(b.data_ptr() for b in biases))
         if self._c_cache is not None and self._c_cache[0] == key:
-            return self._c_cache[1:4]
+            return self._c_cache[1:5]
         router = self.gate.weight.detach().float().contiguous()
         keep: list[Any] = [held]
         if quant is None:
@@ -211,17 +215,30 @@ class FusedMoE(nn.Module):
             addrs = [ctypes.addressof(d) for d in descs]
         else:
             return None
+        # gpt-oss's additions (none for Qwen3-MoE and Mixtral): the tensors it points into
+        # are kept with the table.
+        router_bias = (None if self.gate.bias is None
+                       else self.gate.bias.detach().float().contiguous())
+        alpha, limit = self.swiglu if self.swiglu is not None else (0.0, 0.0)
+        # Plain values here (a module with a ctypes struct of pointers cannot be deep-copied,
+        # as tensor parallelism's sharding does); the struct is made per call.
+        opts = (None if router_bias is None else router_bias.data_ptr(),
+                int(self.softmax_over_top_k),
+                None if self.b13 is None else self.b13.data_ptr(),
+                None if self.b2 is None else self.b2.data_ptr(), alpha, limit)
+        keep += [router_bias, self.b13, self.b2]
         table = torch.tensor(addrs, dtype=torch.int64)
-        self._c_cache = (key, kind, router, table, keep)
-        return kind, router, table
+        self._c_cache = (key, kind, router, table, opts, keep)
+        return kind, router, table, opts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         block = self._c_block(x)
         if block is not None:
-            kind, router, table = block
+            kind, router, table, opts = block
             out = torch.empty_like(x)
             cpu_kernels.moe_block(kind, x.contiguous(), out, self.num_experts, self.top_k,
-                                  self.intermediate_size, self.renormalize, router, table)
+                                  self.intermediate_size, self.renormalize, router, table,
+                                  cpu_kernels.MoeOpts(*opts))
             return out if self.tp_group is None else self.tp_group.all_reduce(out)
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize,
                                       self.softmax_over_top_k)

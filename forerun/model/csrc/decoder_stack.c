@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "moe_opts.h"
 
 /* Per layer, addresses of (in this order): */
 enum {
@@ -72,15 +73,15 @@ int paged_attention_bf16(const uint16_t *, int64_t, const uint16_t *, const uint
                          int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float,
                          const float *);
 int moe_block_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                  const float *, const int64_t *);
+                  const float *, const int64_t *, const moe_opts_t *);
 int moe_block_q_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    const float *, const int64_t *);
+                    const float *, const int64_t *, const moe_opts_t *);
 int moe_block_q_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                     int64_t, const float *, const int64_t *);
+                     int64_t, const float *, const int64_t *, const moe_opts_t *);
 int moe_block_l_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    const float *, const int64_t *);
+                    const float *, const int64_t *, const moe_opts_t *);
 int moe_block_l_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                     int64_t, const float *, const int64_t *);
+                     int64_t, const float *, const int64_t *, const moe_opts_t *);
 int kv_cache_write(const void *, const void *, int64_t, const int64_t *, void *, void *, int64_t,
                    int64_t, int64_t, int64_t, int64_t);
 int kv_cache_write_kvq(const void *, const void *, int64_t, const int64_t *, void *, void *,
@@ -151,9 +152,9 @@ DEFINE_INT8_LINEAR(uint16_t, bf16)
 #define DEFINE_MOE_NONE(T, NAME)                                                                \
     static int NAME(const T *h, T *out, int64_t t, int64_t hidden, int64_t e, int64_t k,        \
                     int64_t i, int64_t renormalize, const float *router,                        \
-                    const int64_t *experts) {                                                   \
+                    const int64_t *experts, const moe_opts_t *opts) {                           \
         (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i;                   \
-        (void)renormalize, (void)router, (void)experts;                                         \
+        (void)renormalize, (void)router, (void)experts, (void)opts;                             \
         return -2;                                                                              \
     }
 DEFINE_MOE_NONE(uint16_t, moe_block_none)
@@ -221,7 +222,7 @@ DEFINE_MOE_NONE(uint16_t, moe_block_none)
             rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \
             if (lp[W_ROUTER]) {                                                                 \
                 if (MOE(h, x, t, H, a->num_experts, a->top_k, a->moe_intermediate,              \
-                        a->renormalize, P(lp, W_ROUTER), P(lp, W_EXPERTS)) != 0)                \
+                        a->renormalize, P(lp, W_ROUTER), P(lp, W_EXPERTS), NULL) != 0)          \
                     rc = -1;                                                                    \
                 continue;                                                                       \
             }                                                                                   \

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "moe_opts.h"
 
 int silu_and_mul_f32(const float *, float *, int64_t, int64_t);
 int silu_and_mul_bf16(const uint16_t *, uint16_t *, int64_t, int64_t);
@@ -32,29 +33,47 @@ int linear_matmul_f32(const float *, const void *, const float *, float *, int64
 int linear_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
                        int64_t, int64_t);
 
-/* ids[i * k + j], w[i * k + j]: token i's j-th expert and its weight (largest first). */
+/* ids[i * k + j], w[i * k + j]: token i's j-th expert and its weight (largest first): the
+ * top k of the softmax over all experts (renormalised over them when asked), or with
+ * over_top_k the top k logits and the softmax over those alone (gpt-oss). */
 static void route(const float *logits, int64_t t, int64_t e, int64_t k, int renormalize,
-                  int64_t *ids, float *w, float *probs) {
+                  int over_top_k, int64_t *ids, float *w, float *probs) {
     for (int64_t i = 0; i < t; ++i) {
         const float *l = logits + i * e;
         float mx = l[0], sum = 0.f;
         for (int64_t x = 1; x < e; ++x) mx = fmaxf(mx, l[x]);
-        for (int64_t x = 0; x < e; ++x) sum += probs[x] = expf(l[x] - mx);
-        for (int64_t x = 0; x < e; ++x) probs[x] /= sum;
+        if (over_top_k) { /* order by logit: the softmax keeps it */
+            for (int64_t x = 0; x < e; ++x) probs[x] = l[x] - mx;
+        } else {
+            for (int64_t x = 0; x < e; ++x) sum += probs[x] = expf(l[x] - mx);
+            for (int64_t x = 0; x < e; ++x) probs[x] /= sum;
+        }
         float chosen = 0.f;
         for (int64_t j = 0; j < k; ++j) { /* the j-th largest; the lower index on a tie */
             int64_t best = -1;
             for (int64_t x = 0; x < e; ++x)
-                if (probs[x] >= 0.f && (best < 0 || probs[x] > probs[best])) best = x;
+                if (probs[x] != -INFINITY && (best < 0 || probs[x] > probs[best])) best = x;
             ids[i * k + j] = best;
-            w[i * k + j] = probs[best];
-            chosen += probs[best];
-            probs[best] = -1.f; /* taken */
+            w[i * k + j] = over_top_k ? expf(probs[best]) : probs[best];
+            chosen += w[i * k + j];
+            probs[best] = -INFINITY; /* taken */
         }
-        if (renormalize)
+        if (renormalize || over_top_k)
             for (int64_t j = 0; j < k; ++j) w[i * k + j] /= chosen;
     }
 }
+
+/* gpt-oss's expert activation, rows of [gate (I) | up (I)] -> I values:
+ * (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g), g the gate clamped to <= limit. */
+#define DEFINE_SWIGLU(T, NAME, TO_F, FROM_F)                                                    \
+    static void NAME(const T *gu, T *out, int64_t n, int64_t I, float alpha, float limit) {    \
+        for (int64_t r = 0; r < n; ++r)                                                        \
+            for (int64_t c = 0; c < I; ++c) {                                                  \
+                const float g = fminf(TO_F(gu[r * 2 * I + c]), limit);                         \
+                const float u = fminf(fmaxf(TO_F(gu[r * 2 * I + I + c]), -limit), limit);      \
+                out[r * I + c] = FROM_F((u + 1.f) * (g / (1.f + expf(-alpha * g))));          \
+            }                                                                                  \
+    }
 
 /* The router's logits [t, E] = hf [t, H] @ router.T, every (token, expert) pair a dot
  * product of H floats (one vectorized loop), spread over the threads: at 16 tokens of
@@ -78,10 +97,13 @@ static void router_logits(const float *hf, const float *router, float *logits, i
  * small matmuls were each split over the threads with a fork and join per matmul, and
  * each thread now streams whole experts' weights. The weighted rows are then added per
  * token in increasing expert order, in float32, as before. */
-#define DEFINE_MOE(T, NAME, MM, ACT, TO_F, FROM_F)                                              \
+#define DEFINE_MOE(T, NAME, MM, ACT, SWIGLU, TO_F, FROM_F)                                      \
     int NAME(const T *h, T *out, int64_t t, int64_t hidden, int64_t num_experts,               \
              int64_t top_k, int64_t inter, int64_t renormalize, const float *router,          \
-             const int64_t *experts) {                                                         \
+             const int64_t *experts, const moe_opts_t *opts) {                                 \
+        const moe_opts_t none = {0};                                                           \
+        const moe_opts_t *o = opts ? opts : &none;                                             \
+        const T *b13 = (const T *)o->b13, *b2 = (const T *)o->b2;                             \
         const int64_t H = hidden, E = num_experts, K = top_k, I = inter, P = t * top_k;        \
         float *hf = malloc(sizeof(float) * (size_t)(t * H));                                   \
         float *logits = malloc(sizeof(float) * (size_t)(t * E));                               \
@@ -103,7 +125,10 @@ static void router_logits(const float *hf, const float *router, float *logits, i
         if (rc == 0) {                                                                         \
             for (int64_t i = 0; i < t * H; ++i) hf[i] = TO_F(h[i]);                           \
             router_logits(hf, router, logits, t, E, H);                                        \
-            route(logits, t, E, K, (int)renormalize, ids, w, probs);                           \
+            if (o->router_bias)                                                                \
+                for (int64_t i = 0; i < t * E; ++i) logits[i] += o->router_bias[i % E];       \
+            route(logits, t, E, K, (int)renormalize, (int)o->softmax_over_top_k, ids, w,       \
+                  probs);                                                                      \
             /* first[x]: expert x's first pair in the grouped layout */                       \
             for (int64_t p = 0; p < P; ++p) ++first[ids[p] + 1];                               \
             for (int64_t x = 0; x < E; ++x) {                                                  \
@@ -125,12 +150,17 @@ static void router_logits(const float *hf, const float *router, float *logits, i
             const int64_t x = active[a], p0 = first[x], n = first[x + 1] - p0;                 \
             const void *w13 = (const void *)(intptr_t)experts[2 * x];                          \
             const void *w2 = (const void *)(intptr_t)experts[2 * x + 1];                       \
-            if (MM(rows + p0 * H, w13, NULL, gu + p0 * 2 * I, n, 2 * I, H) != 0) {             \
+            if (MM(rows + p0 * H, w13, b13 ? b13 + x * 2 * I : NULL, gu + p0 * 2 * I, n, 2 * I, \
+                   H) != 0) {                                                                  \
                 rc |= 1;                                                                       \
                 continue;                                                                      \
             }                                                                                  \
-            ACT(gu + p0 * 2 * I, act + p0 * I, n, I);                                          \
-            if (MM(act + p0 * I, w2, NULL, eo + p0 * H, n, H, I) != 0) rc |= 1;                \
+            if (o->swiglu_limit > 0.f)                                                         \
+                SWIGLU(gu + p0 * 2 * I, act + p0 * I, n, I, o->swiglu_alpha, o->swiglu_limit); \
+            else                                                                               \
+                ACT(gu + p0 * 2 * I, act + p0 * I, n, I);                                      \
+            if (MM(act + p0 * I, w2, b2 ? b2 + x * H : NULL, eo + p0 * H, n, H, I) != 0)       \
+                rc |= 1;                                                                       \
         }                                                                                      \
         if (rc != 0) rc = -1;                                                                  \
         for (int64_t p = 0; p < first[E] && rc == 0; ++p) /* expert order */                  \
@@ -159,10 +189,12 @@ static int plain_matmul_f32(const float *x, const void *w, const float *bias, fl
                             int64_t t, int64_t n, int64_t k) {
     return small_matmul_f32(x, (const float *)w, bias, y, t, n, k);
 }
-DEFINE_MOE(float, moe_block_f32, plain_matmul_f32, silu_and_mul_f32, ID, ID)
-DEFINE_MOE(float, moe_block_q_f32, gguf_matmul_f32, silu_and_mul_f32, ID, ID)
-DEFINE_MOE(uint16_t, moe_block_q_bf16, gguf_matmul_bf16, silu_and_mul_bf16, bf16_to_f32,
-           f32_to_bf16)
-DEFINE_MOE(float, moe_block_l_f32, linear_matmul_f32, silu_and_mul_f32, ID, ID)
-DEFINE_MOE(uint16_t, moe_block_l_bf16, linear_matmul_bf16, silu_and_mul_bf16, bf16_to_f32,
-           f32_to_bf16)
+DEFINE_SWIGLU(float, swiglu_f32, ID, ID)
+DEFINE_SWIGLU(uint16_t, swiglu_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_MOE(float, moe_block_f32, plain_matmul_f32, silu_and_mul_f32, swiglu_f32, ID, ID)
+DEFINE_MOE(float, moe_block_q_f32, gguf_matmul_f32, silu_and_mul_f32, swiglu_f32, ID, ID)
+DEFINE_MOE(uint16_t, moe_block_q_bf16, gguf_matmul_bf16, silu_and_mul_bf16, swiglu_bf16,
+           bf16_to_f32, f32_to_bf16)
+DEFINE_MOE(float, moe_block_l_f32, linear_matmul_f32, silu_and_mul_f32, swiglu_f32, ID, ID)
+DEFINE_MOE(uint16_t, moe_block_l_bf16, linear_matmul_bf16, silu_and_mul_bf16, swiglu_bf16,
+           bf16_to_f32, f32_to_bf16)
