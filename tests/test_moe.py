@@ -115,6 +115,56 @@ def test_the_layer_in_one_c_call_matches_a_float64_per_token_reference(
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 7, 45), (4, 13, 64), (5, 4, 2048), (6, 1, 31),
+                                         (3, 9, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_major_bfloat16_matmul_is_float64_within_one_rounding(m: int, n: int, k: int,
+                                                                   bias: bool) -> None:
+    """csrc/rowmajor_bf16.c (plain bfloat16 experts as stored): every output within half a
+    bfloat16 step of the float64 product plus float32 summation error; odd k (masked
+    tails), a last partial group of weight rows, 1-6 rows of x."""
+    if not cpu_kernels.supports(torch.bfloat16, CPU):
+        pytest.skip("no C kernels")
+    torch.manual_seed(m * 100 + n + k)
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    got = cpu_kernels.rowmajor_matmul(x, w, b).double()
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    slack = 2.0 ** -8 * want.abs() + 1e-6 * (x.double().abs() @ w.double().abs().T + 1)
+    assert ((got - want).abs() <= slack).all()
+
+
+def test_plain_bfloat16_experts_take_the_c_block_within_bf16_rounding() -> None:
+    """A bfloat16 layer of plain experts in one C call (their rows as stored): the float64
+    reference of its bf16 weights within bf16's rounding of the intermediates, and far from
+    it with two experts swapped; past 16 rows an expert it leaves the layer to torch."""
+    from forerun.model.moe import FusedMoE
+
+    if not cpu_kernels.supports(torch.bfloat16, CPU):
+        pytest.skip("no C kernels")
+    torch.manual_seed(11)
+    e, t, h, i = 8, 13, 64, 48
+    moe = FusedMoE(h, i, e, 2, renormalize=True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    moe = moe.to(torch.bfloat16)
+    x = torch.randn(t, h).bfloat16()
+    assert moe._c_block(x) is not None
+    assert moe._c_block(torch.randn(65, h).bfloat16()) is None  # > 16 rows an expert
+    logits = x.double() @ moe.gate.weight.double().T
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    want = _reference(x, moe.w13, moe.w2, weights, ids)
+    with torch.inference_mode():
+        got = moe(x).double()
+        with torch.no_grad():
+            moe.w13[[0, 1]] = moe.w13[[1, 0]].clone()
+        swapped = moe(x).double()
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 0.02 * scale
+    assert (swapped - want).abs().max() > 0.1 * scale
+
+
 @pytest.mark.parametrize("kind", ["int8", "gguf"])
 def test_quantized_experts_in_bfloat16_take_the_c_block_within_bf16_rounding(kind: str) -> None:
     """int8 and GGUF-block experts with bfloat16 activations: the layer in one C call
@@ -223,6 +273,43 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_moe, moe_path:
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         tokens = PagedDriver(ours, seed=7).greedy("a", PROMPT, 16)
     assert tokens == hf_greedy(hf, PROMPT, 16)
+
+
+def test_bfloat16_moe_decodes_in_the_stack_as_op_by_op_with_torch_experts(
+        tiny_moe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain bfloat16 experts in the one-call stack (the MoE block over their rows as
+    stored) against op by op with the experts in torch (oneDNN, one call per expert): a
+    6-stream decode step gives the same logits within bf16 rounding. Not against
+    transformers: in bfloat16 this tiny model's routing flips on some prompts in either
+    engine (both paths there are 10-66% off on one prompt of six)."""
+    from forerun.model.moe import FusedMoE
+
+    if cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    _, _, folder = tiny_moe
+    source = resolve_model(str(folder))
+    prompts = [[(t + 13 * i) % 200 + 3 for t in PROMPT[:5 + i % 3]] for i in range(6)]
+    calls: list[torch.dtype] = []
+    real = cpu_kernels.decoder_stack
+    monkeypatch.setattr(cpu_kernels, "decoder_stack",
+                        lambda dtype: calls.append(dtype) or real(dtype))
+    logits = {}
+    for tokens in ("1000", "0"):
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", tokens)
+        if tokens == "0":
+            monkeypatch.setattr(FusedMoE, "_c_block", lambda self, x: None)
+        ours = load_model(source, load_model_config(source), torch.bfloat16, CPU)
+        driver = PagedDriver(ours, num_blocks=256)
+        with torch.inference_mode():
+            for i, p in enumerate(prompts):
+                driver.step([(i, p[:-1])])
+            logits[tokens] = driver.step([(i, p[-1:]) for i, p in enumerate(prompts)])
+        if tokens == "1000":
+            assert calls, "the stack did not run the step"
+            calls.clear()
+    assert not calls
+    for got, ref in zip(logits["1000"], logits["0"], strict=True):
+        assert (got - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
 
 
 ENGINE_CONFIGS: dict[str, dict[str, Any]] = {

@@ -150,11 +150,13 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = args
     moe_args = [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
-    for name in ("moe_block_f32", "moe_block_q_f32", "moe_block_q_bf16", "moe_block_l_f32",
-                 "moe_block_l_bf16"):
+    for name in ("moe_block_f32", "moe_block_bf16", "moe_block_q_f32", "moe_block_q_bf16",
+                 "moe_block_l_f32", "moe_block_l_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = moe_args
+    lib.rowmajor_matmul_bf16.restype = ctypes.c_int
+    lib.rowmajor_matmul_bf16.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     bind_gguf_kernels(lib)
     bind_int8_kernels(lib)
     bind_prompt_attention(lib)
@@ -464,6 +466,20 @@ class LinearDesc(ctypes.Structure):
 LIN_PLAIN, LIN_INT8 = 0, 1  # linear_t's kinds
 
 
+def rowmajor_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for contiguous bfloat16 ``x [m, k]`` and ``w [n, k]`` as stored
+    (csrc/rowmajor_bf16.c: the MoE block's plain bfloat16 experts)."""
+    lib = kernel_library()
+    assert lib is not None, "call supports() first"
+    assert x.dtype == w.dtype == torch.bfloat16 and x.is_contiguous() and w.is_contiguous()
+    out = x.new_empty(x.shape[0], w.shape[0])
+    lib.rowmajor_matmul_bf16(x.data_ptr(), w.data_ptr(),
+                             None if bias is None else bias.contiguous().data_ptr(),
+                             out.data_ptr(), x.shape[0], w.shape[0], x.shape[1])
+    return out
+
+
 class MoeOpts(ctypes.Structure):
     """``moe_opts_t`` of csrc/moe_opts.h: gpt-oss's additions to a MoE layer (router bias,
     softmax over the top k, expert biases, the clamped SwiGLU); pointers are addresses."""
@@ -479,7 +495,7 @@ def moe_block(kind: str, x: torch.Tensor, out: torch.Tensor, num_experts: int, t
     """``out [t, H]`` = the MoE MLP of contiguous ``x [t, H]`` by csrc/moe_block.c: routing
     by the float32 ``router [E, H]`` rows, every chosen expert over its tokens' rows.
     ``experts`` int64 ``[2E]``: expert e's gate/up and down weight addresses, of ``kind``
-    ``"plain"`` (float32 rows; float32 only), ``"gguf"`` (block descriptors) or ``"mixed"``
+    ``"plain"`` (rows of ``x``'s type), ``"gguf"`` (block descriptors) or ``"mixed"``
     (:class:`LinearDesc`); ``opts`` what the layer adds (gpt-oss), whose tensors the caller
     keeps alive."""
     name = {"plain": "moe_block", "gguf": "moe_block_q", "mixed": "moe_block_l"}[kind]

@@ -106,7 +106,7 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     return out
 
 
-# Plain float32 experts take the C block up to this many (token, expert) pairs per expert.
+# Plain experts take the C block up to this many (token, expert) pairs per expert.
 _C_PLAIN_ROWS = 16
 
 
@@ -181,12 +181,13 @@ class FusedMoE(nn.Module):
                 or not cpu_kernels.supports(x.dtype, x.device)):
             return None
         quant = self.quant_experts
-        if quant is None and (x.dtype != torch.float32
+        if quant is None and (self.w13.dtype != x.dtype
                               or x.shape[0] * self.top_k > _C_PLAIN_ROWS * self.num_experts):
-            # Plain experts: float32 rows only; and past ~16 rows an expert, torch's GEMM
-            # (MKL) beats the block's small matmul by more than the Python calls cost
-            # (Qwen3-30B-A3B's layer: the block 1.9x faster at 64 tokens, 1.2x at 256,
-            # level at 512; block-backed experts run the same kernels either way).
+            # Plain experts (float32 or bfloat16 rows as stored): past ~16 rows an expert,
+            # torch's GEMM (MKL, oneDNN) beats the block's row kernels by more than the
+            # Python calls cost (Qwen3-30B-A3B's layer in float32: the block 1.9x faster at
+            # 64 tokens, 1.2x at 256, level at 512; block-backed experts run the same
+            # kernels either way).
             return None
         # The table is keyed by what it points into; holding those keeps their addresses.
         held = quant if quant is not None else (self.w13, self.w2)

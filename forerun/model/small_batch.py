@@ -28,7 +28,9 @@ plain q/k/v: the stack then takes a descriptor per linear (``linear_t`` of
 runs each with its own kernel, the int8 ones as ``Int8Linear.forward`` does op by op (the
 same row quantization, exact integer sums, the same rescale). A mixture of experts' int8
 experts are ``linear_t`` too, run by the MoE block (``csrc/moe_block.c``) over the same
-dispatch, so a decode step reads only the chosen experts' int8 rows.
+dispatch, so a decode step reads only the chosen experts' int8 rows. Plain experts are read
+as they are stored (float32 rows, or bfloat16 rows by ``csrc/rowmajor_bf16.c``): no packed
+copy of them is made.
 """
 
 from __future__ import annotations
@@ -253,8 +255,6 @@ class SmallBatchStack:
             return False
         if self.mode == "gguf":
             return True
-        if self._has_moe and x.dtype != torch.float32 and self.mode == "plain":
-            return False  # plain experts in bfloat16 would need packed copies of them all
         return ((self._even or x.dtype == torch.float32)
                 and cpu_kernels.small_matmul_is_fast(x.dtype))
 

@@ -74,6 +74,8 @@ int paged_attention_bf16(const uint16_t *, int64_t, const uint16_t *, const uint
                          const float *);
 int moe_block_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                   const float *, const int64_t *, const moe_opts_t *);
+int moe_block_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, const float *, const int64_t *, const moe_opts_t *);
 int moe_block_q_f32(const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                     const float *, const int64_t *, const moe_opts_t *);
 int moe_block_q_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -147,17 +149,6 @@ typedef struct {
 DEFINE_INT8_LINEAR(float, f32)
 DEFINE_INT8_LINEAR(uint16_t, bf16)
 
-/* Stacks without a MoE body: plain bfloat16 (its experts would need packed copies). Such
- * models do not take the path (small_batch.py), and this is never called. */
-#define DEFINE_MOE_NONE(T, NAME)                                                                \
-    static int NAME(const T *h, T *out, int64_t t, int64_t hidden, int64_t e, int64_t k,        \
-                    int64_t i, int64_t renormalize, const float *router,                        \
-                    const int64_t *experts, const moe_opts_t *opts) {                           \
-        (void)h, (void)out, (void)t, (void)hidden, (void)e, (void)k, (void)i;                   \
-        (void)renormalize, (void)router, (void)experts, (void)opts;                             \
-        return -2;                                                                              \
-    }
-DEFINE_MOE_NONE(uint16_t, moe_block_none)
 
 /* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
  * (small_matmul over plain/packed weights, or gguf_matmul over GGUF blocks of any type,
@@ -240,7 +231,7 @@ DEFINE_MOE_NONE(uint16_t, moe_block_none)
     }
 
 DEFINE_STACK(float, f32, small_matmul_f32, moe_block_f32, decoder_stack_f32)
-DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, moe_block_none, decoder_stack_bf16)
+DEFINE_STACK(uint16_t, bf16, small_matmul_bf16, moe_block_bf16, decoder_stack_bf16)
 DEFINE_STACK(float, f32, gguf_matmul_f32, moe_block_q_f32, decoder_stack_q_f32)
 DEFINE_STACK(uint16_t, bf16, gguf_matmul_bf16, moe_block_q_bf16, decoder_stack_q_bf16)
 /* Mixed linears (linear_t), int8 experts too. */

@@ -8,7 +8,7 @@
  *
  * The router weight is float32 [E, H] (a few hundred KiB; the logits of a step are a few
  * thousand multiply-adds per token); experts[2e] and experts[2e + 1] are expert e's gate/up
- * and down weights in the form the matmul reads (plain float32 rows, GGUF block
+ * and down weights in the form the matmul reads (plain float32 or bfloat16 rows, GGUF block
  * descriptors, or decoder_stack.c's linear_t: quantization="int8"'s experts).
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
@@ -28,6 +28,8 @@ int gguf_matmul_f32(const float *, const void *, const float *, float *, int64_t
                     int64_t);
 int gguf_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
                      int64_t, int64_t);
+int rowmajor_matmul_bf16(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *,
+                         int64_t, int64_t, int64_t);
 int linear_matmul_f32(const float *, const void *, const float *, float *, int64_t, int64_t,
                       int64_t);
 int linear_matmul_bf16(const uint16_t *, const void *, const uint16_t *, uint16_t *, int64_t,
@@ -192,6 +194,12 @@ static int plain_matmul_f32(const float *x, const void *w, const float *bias, fl
 DEFINE_SWIGLU(float, swiglu_f32, ID, ID)
 DEFINE_SWIGLU(uint16_t, swiglu_bf16, bf16_to_f32, f32_to_bf16)
 DEFINE_MOE(float, moe_block_f32, plain_matmul_f32, silu_and_mul_f32, swiglu_f32, ID, ID)
+static int plain_matmul_bf16(const uint16_t *x, const void *w, const uint16_t *bias,
+                             uint16_t *y, int64_t t, int64_t n, int64_t k) {
+    return rowmajor_matmul_bf16(x, (const uint16_t *)w, bias, y, t, n, k);
+}
+DEFINE_MOE(uint16_t, moe_block_bf16, plain_matmul_bf16, silu_and_mul_bf16, swiglu_bf16,
+           bf16_to_f32, f32_to_bf16)
 DEFINE_MOE(float, moe_block_q_f32, gguf_matmul_f32, silu_and_mul_f32, swiglu_f32, ID, ID)
 DEFINE_MOE(uint16_t, moe_block_q_bf16, gguf_matmul_bf16, silu_and_mul_bf16, swiglu_bf16,
            bf16_to_f32, f32_to_bf16)
