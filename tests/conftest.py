@@ -157,14 +157,18 @@ def private_model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("FORERUN_CACHE_DIR", str(tmp_path / "forerun-cache"))
 
 
-def mapped_rss_kib(path: Path) -> int:
-    """This process's resident KiB of every mapping of ``path`` (/proc/self/smaps)."""
+def mapped_rss_kib(path: Path, within: tuple[int, int] | None = None) -> int:
+    """This process's resident KiB of every mapping of ``path`` (/proc/self/smaps), or only
+    of those overlapping the addresses ``within`` (start, end): one reader's mapping, where
+    other readers in the process map the same file."""
     total, inside = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
             if re.match(r"[0-9a-f]+-[0-9a-f]+$", head[0]):  # a mapping's first line
-                inside = len(head) >= 6 and head[-1] == str(path.resolve())
+                lo, hi = (int(v, 16) for v in head[0].split("-"))
+                inside = (len(head) >= 6 and head[-1] == str(path.resolve())
+                          and (within is None or (lo < within[1] and within[0] < hi)))
             elif inside and head[0] == "Rss:":
                 total += int(head[1])
     return total
