@@ -134,7 +134,7 @@ def open_gguf(path: Path) -> GGUFReader:
         return reader
 
 
-_FAULT_AROUND = 2 << 20
+_RELEASE_WINDOW = 2 << 20  # see release_gguf_pages
 
 
 def release_gguf_pages(reader: GGUFReader, start: int = 0, length: int | None = None) -> None:
@@ -152,8 +152,8 @@ def release_gguf_pages(reader: GGUFReader, start: int = 0, length: int | None = 
         # dropped: to the nearest page, SmolLM2's 211 lookups left 11.5 of its 96 MB mapped,
         # to 64 KiB 7.6, to 2 MiB 0.06. A neighbour's page dropped too is read again if
         # needed.
-        end = -(-(start + length) // _FAULT_AROUND) * _FAULT_AROUND
-        start -= start % _FAULT_AROUND
+        end = -(-(start + length) // _RELEASE_WINDOW) * _RELEASE_WINDOW
+        start -= start % _RELEASE_WINDOW
         length = min(end, len(mm)) - start
     try:
         if length is None:
@@ -445,10 +445,10 @@ def _head_counts(reader: GGUFReader, arch: str) -> tuple[int, int]:
 
 
 class RawBlocks(Mapping[str, tuple[int, torch.Tensor]]):
-    """``hf_name -> (ggml type id, uint8 rows [out, row_bytes] on ``device``)`` for every 2-D
-    weight of the file stored in one of ``types``: the file's blocks as they are (Q/K rows put back in
-    Hugging Face order, whole rows of blocks moving together). A layer's stacked experts
-    (3-D) come as every expert's rows one after another.
+    """``hf_name -> (ggml type id, uint8 rows [out, row_bytes] on ``device``)`` for every
+    2-D weight of the file stored in one of ``types``: the file's blocks as they are (Q/K
+    rows put back in Hugging Face order, whole rows of blocks moving together). A layer's
+    stacked experts (3-D) come as every expert's rows one after another.
 
     Each lookup copies its tensor out of the memory map then and there, and drops the map's
     pages of it from this process (:func:`release_gguf_pages`, for one range): a loader that

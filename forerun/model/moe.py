@@ -170,10 +170,11 @@ class FusedMoE(nn.Module):
     def _bias(self, y: torch.Tensor, bias: torch.Tensor | None, i: int) -> torch.Tensor:
         return y if bias is None else y + bias[i]
 
-    def _c_block(self, x: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor, tuple] | None:
+    def _c_block(self, x: torch.Tensor
+                 ) -> tuple[str, torch.Tensor, torch.Tensor, tuple | None] | None:
         """``(kind, router float32 [E, H], expert addresses int64 [2E], the fields of
-        :class:`cpu_kernels.MoeOpts`)`` for :func:`cpu_kernels.moe_block` where it computes
-        this layer for ``x``; else None."""
+        :class:`cpu_kernels.MoeOpts` or None)`` for :func:`cpu_kernels.moe_block` where it
+        computes this layer for ``x``; else None."""
         biases = [b for b in (self.b13, self.b2) if b is not None]
         if (self.local_experts is not None or x.dim() != 2 or x.shape[0] == 0
                 or not isinstance(self.gate, nn.Linear)
@@ -222,11 +223,15 @@ class FusedMoE(nn.Module):
                        else self.gate.bias.detach().float().contiguous())
         alpha, limit = self.swiglu if self.swiglu is not None else (0.0, 0.0)
         # Plain values here (a module with a ctypes struct of pointers cannot be deep-copied,
-        # as tensor parallelism's sharding does); the struct is made per call.
-        opts = (None if router_bias is None else router_bias.data_ptr(),
-                int(self.softmax_over_top_k),
-                None if self.b13 is None else self.b13.data_ptr(),
-                None if self.b2 is None else self.b2.data_ptr(), alpha, limit)
+        # as tensor parallelism's sharding does); the struct is made per call, and only for
+        # a layer that has any (Qwen3-MoE and Mixtral pass none).
+        opts = None
+        if (router_bias is not None or self.softmax_over_top_k or biases
+                or self.swiglu is not None):
+            opts = (None if router_bias is None else router_bias.data_ptr(),
+                    int(self.softmax_over_top_k),
+                    None if self.b13 is None else self.b13.data_ptr(),
+                    None if self.b2 is None else self.b2.data_ptr(), alpha, limit)
         keep += [router_bias, self.b13, self.b2]
         table = torch.tensor(addrs, dtype=torch.int64)
         self._c_cache = (key, kind, router, table, opts, keep)
@@ -239,7 +244,7 @@ class FusedMoE(nn.Module):
             out = torch.empty_like(x)
             cpu_kernels.moe_block(kind, x.contiguous(), out, self.num_experts, self.top_k,
                                   self.intermediate_size, self.renormalize, router, table,
-                                  cpu_kernels.MoeOpts(*opts))
+                                  None if opts is None else cpu_kernels.MoeOpts(*opts))
             return out if self.tp_group is None else self.tp_group.all_reduce(out)
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize,
                                       self.softmax_over_top_k)

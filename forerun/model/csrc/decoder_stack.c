@@ -149,7 +149,6 @@ typedef struct {
 DEFINE_INT8_LINEAR(float, f32)
 DEFINE_INT8_LINEAR(uint16_t, bf16)
 
-
 /* One body for both dtypes: T is the storage type, SFX the kernels' suffix, MM the matmul
  * (small_matmul over plain/packed weights, or gguf_matmul over GGUF blocks of any type,
  * whose weight "addresses" are qweight_t descriptors: quantization="gguf"), MOE the
