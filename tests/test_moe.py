@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as GT
 from gguf.quants import quantize
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from forerun import LLM, SamplingParams
@@ -116,42 +117,50 @@ def test_the_layer_in_one_c_call_matches_a_float64_per_token_reference(
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 7, 45), (4, 13, 64), (5, 4, 2048), (6, 1, 31),
-                                         (3, 9, 33)])
+                                         (3, 9, 33), (40, 37, 64), (17, 50, 96), (33, 16, 32)])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("amx", [True, False])
 def test_row_major_bfloat16_matmul_is_float64_within_one_rounding(m: int, n: int, k: int,
-                                                                   bias: bool) -> None:
+                                                                   bias: bool, amx: bool) -> None:
     """csrc/rowmajor_bf16.c (plain bfloat16 experts as stored): every output within half a
     bfloat16 step of the float64 product plus float32 summation error; odd k (masked
-    tails), a last partial group of weight rows, 1-6 rows of x."""
+    tails), a last partial group of weight rows, 1-40 rows of x (partial tiles of x for the
+    AMX body, which takes k a multiple of 32 where the CPU has AMX), each body."""
     if not cpu_kernels.supports(torch.bfloat16, CPU):
         pytest.skip("no C kernels")
     torch.manual_seed(m * 100 + n + k)
     x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    got = cpu_kernels.rowmajor_matmul(x, w, b).double()
+    prev = cpu_kernels.set_rowmajor_amx(amx)
+    try:
+        got = cpu_kernels.rowmajor_matmul(x, w, b).double()
+    finally:
+        cpu_kernels.set_rowmajor_amx(prev)
     want = x.double() @ w.double().T + (0 if b is None else b.double())
     slack = 2.0 ** -8 * want.abs() + 1e-6 * (x.double().abs() @ w.double().abs().T + 1)
     assert ((got - want).abs() <= slack).all()
 
 
-def test_plain_bfloat16_experts_take_the_c_block_within_bf16_rounding() -> None:
+@pytest.mark.parametrize("t", [13, 65])
+def test_plain_bfloat16_experts_take_the_c_block_within_bf16_rounding(t: int) -> None:
     """A bfloat16 layer of plain experts in one C call (their rows as stored): the float64
     reference of its bf16 weights within bf16's rounding of the intermediates, and far from
-    it with two experts swapped; past 16 rows an expert it leaves the layer to torch."""
+    it with two experts swapped. Past 16 rows an expert (65 tokens) the block runs them on
+    AMX tiles where the CPU has them, and leaves the layer to torch where not."""
     from forerun.model.moe import FusedMoE
 
     if not cpu_kernels.supports(torch.bfloat16, CPU):
         pytest.skip("no C kernels")
     torch.manual_seed(11)
-    e, t, h, i = 8, 13, 64, 48
+    e, h, i = 8, 64, 48
     moe = FusedMoE(h, i, e, 2, renormalize=True)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(0.3 * torch.randn_like(p))
     moe = moe.to(torch.bfloat16)
     x = torch.randn(t, h).bfloat16()
-    assert moe._c_block(x) is not None
-    assert moe._c_block(torch.randn(65, h).bfloat16()) is None  # > 16 rows an expert
+    in_c = t * 2 <= 16 * e or cpu_kernels.small_matmul_has_amx()
+    assert (moe._c_block(x) is not None) == in_c
     logits = x.double() @ moe.gate.weight.double().T
     weights, ids = select_experts(logits, 2, renormalize=True)
     want = _reference(x, moe.w13, moe.w2, weights, ids)
@@ -787,3 +796,21 @@ def test_expert_parallel_sizes_must_divide_the_experts() -> None:
     # 2 divides all of them (heads 6 and 6, experts 8, widths 96 and 50).
     check_tensor_parallel(replace(cfg, num_key_value_heads=6), 2, expert_parallel=True)
     check_tensor_parallel(replace(cfg, num_key_value_heads=6), 2)
+
+
+def test_prepacking_leaves_the_router_to_the_c_block() -> None:
+    """oneDNN's reordered linears replace every plain linear except a MoE layer's router,
+    whose rows the C block reads: with it packed, every step past the small-batch path went
+    to the per-expert loop."""
+    from forerun.model.moe import FusedMoE
+    from forerun.model.packed_linear import PackedLinear, prepack_linears, prepack_supported
+
+    if not (prepack_supported(torch.bfloat16, CPU) and cpu_kernels.supports(torch.bfloat16, CPU)):
+        pytest.skip("no pre-reordered linears or C kernels here")
+    torch.manual_seed(5)
+    block = nn.ModuleDict({"proj": nn.Linear(64, 64), "mlp": FusedMoE(64, 48, 8, 2, True)})
+    block = block.to(torch.bfloat16)
+    assert prepack_linears(block) == 1
+    assert isinstance(block["proj"], PackedLinear)
+    assert type(block["mlp"].gate) is nn.Linear
+    assert block["mlp"]._c_block(torch.randn(3, 64).bfloat16()) is not None

@@ -157,6 +157,8 @@ def _load() -> ctypes.CDLL | None:
         fn.argtypes = moe_args
     lib.rowmajor_matmul_bf16.restype = ctypes.c_int
     lib.rowmajor_matmul_bf16.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.rowmajor_matmul_amx_set.restype = ctypes.c_int
+    lib.rowmajor_matmul_amx_set.argtypes = [ctypes.c_int]
     bind_gguf_kernels(lib)
     bind_int8_kernels(lib)
     bind_prompt_attention(lib)
@@ -474,10 +476,20 @@ def rowmajor_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     assert lib is not None, "call supports() first"
     assert x.dtype == w.dtype == torch.bfloat16 and x.is_contiguous() and w.is_contiguous()
     out = x.new_empty(x.shape[0], w.shape[0])
-    lib.rowmajor_matmul_bf16(x.data_ptr(), w.data_ptr(),
-                             None if bias is None else bias.contiguous().data_ptr(),
-                             out.data_ptr(), x.shape[0], w.shape[0], x.shape[1])
+    rc = lib.rowmajor_matmul_bf16(x.data_ptr(), w.data_ptr(),
+                                  None if bias is None else bias.contiguous().data_ptr(),
+                                  out.data_ptr(), x.shape[0], w.shape[0], x.shape[1])
+    if rc != 0:
+        raise MemoryError(f"rowmajor_matmul_bf16 failed ({rc})")
     return out
+
+
+def set_rowmajor_amx(enabled: bool) -> bool:
+    """Let :func:`rowmajor_matmul` take its AMX body (many rows, where the CPU has AMX) or
+    not (the dot-product body every CPU runs); returns the previous setting."""
+    lib = kernel_library()
+    assert lib is not None, "call supports() first"
+    return bool(lib.rowmajor_matmul_amx_set(int(enabled)))
 
 
 class MoeOpts(ctypes.Structure):

@@ -120,6 +120,10 @@ class FusedMoE(nn.Module):
     ``expert_bias`` (``b13`` / ``b2``, added to each expert's gate/up and down outputs) and
     ``swiglu`` ``(alpha, limit)``: :func:`clamped_swiglu` in place of SiLU-and-multiply."""
 
+    # The C block reads the router's rows (as float32): oneDNN's reordered copy would hide
+    # them and send every step past the small-batch path to the per-expert loop.
+    unpacked_linears = ("gate",)
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, renormalize: bool, *, router_bias: bool = False,
                  softmax_over_top_k: bool = False, expert_bias: bool = False,
@@ -182,13 +186,14 @@ class FusedMoE(nn.Module):
                 or not cpu_kernels.supports(x.dtype, x.device)):
             return None
         quant = self.quant_experts
-        if quant is None and (self.w13.dtype != x.dtype
-                              or x.shape[0] * self.top_k > _C_PLAIN_ROWS * self.num_experts):
+        if quant is None and (self.w13.dtype != x.dtype or (
+                x.shape[0] * self.top_k > _C_PLAIN_ROWS * self.num_experts
+                and not (x.dtype == torch.bfloat16 and cpu_kernels.small_matmul_has_amx()))):
             # Plain experts (float32 or bfloat16 rows as stored): past ~16 rows an expert,
             # torch's GEMM (MKL, oneDNN) beats the block's row kernels by more than the
             # Python calls cost (Qwen3-30B-A3B's layer in float32: the block 1.9x faster at
             # 64 tokens, 1.2x at 256, level at 512; block-backed experts run the same
-            # kernels either way).
+            # kernels either way). bfloat16 rows on AMX tiles beat torch at every size.
             return None
         # The table is keyed by what it points into; holding those keeps their addresses.
         held = quant if quant is not None else (self.w13, self.w2)

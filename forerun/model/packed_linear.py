@@ -80,12 +80,14 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def prepack_linears(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear`; returns the count."""
+    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear`, except those a
+    module names in its ``unpacked_linears`` (read as plain rows elsewhere); returns the count."""
     count = 0
+    keep = getattr(module, "unpacked_linears", ())
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) and name not in keep:
             setattr(module, name, PackedLinear(child.weight, child.bias))
             count += 1
-        else:
+        elif not isinstance(child, nn.Linear):
             count += prepack_linears(child)
     return count
