@@ -75,13 +75,16 @@ def _load(path: Path, quantization: str | None = None) -> Any:
                       quantization=quantization)
 
 
-@pytest.fixture(params=["op-by-op", "torch-path"])
+@pytest.fixture(params=["one-call-stack", "op-by-op", "torch-path"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The C kernels op by op (the one-call stack refuses gpt-oss), and pure torch."""
+    """The one-call C stack for every step (sinks in its attention, gpt-oss's MoE options
+    in its MoE block), the C kernels op by op, and pure torch."""
     if request.param == "torch-path":
         monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
     elif cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler: the kernels cannot be built")
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS",
+                       "1000" if request.param == "one-call-stack" else "0")
     return request.param
 
 
@@ -98,15 +101,17 @@ def test_config_reads_the_layer_types_window_rope_and_experts(tiny) -> None:
 def test_prefill_logits_and_greedy_tokens_match_transformers(tiny, path: str) -> None:
     hf, folder = tiny
     ours = _load(folder)
-    # The one-call stack has no sinks nor clamped SwiGLU: it says so and stays off.
-    assert not ours.small_batch.available
-    assert "attention sinks" in (ours.small_batch.refusal or "")
+    assert ours.small_batch.refusal is None
+    calls = []
+    stack_forward = ours.small_batch.forward
+    ours.small_batch.forward = lambda *a, **k: calls.append(1) or stack_forward(*a, **k)
     with torch.inference_mode():
         got = PagedDriver(ours).step([("a", PROMPT)])[0]
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         tokens = PagedDriver(ours, seed=3).greedy("a", PROMPT, 12)
     assert tokens == hf_greedy(hf, PROMPT, 12)
+    assert (len(calls) == 13) == (path == "one-call-stack")  # the prompt and every decode
 
 
 def test_openai_mxfp4_checkpoint_tensors_dequantize_as_transformers_does() -> None:

@@ -222,25 +222,29 @@ class FusedMoE(nn.Module):
             addrs = [ctypes.addressof(d) for d in descs]
         else:
             return None
-        # gpt-oss's additions (none for Qwen3-MoE and Mixtral): the tensors it points into
-        # are kept with the table.
-        router_bias = (None if self.gate.bias is None
-                       else self.gate.bias.detach().float().contiguous())
-        alpha, limit = self.swiglu if self.swiglu is not None else (0.0, 0.0)
-        # Plain values here (a module with a ctypes struct of pointers cannot be deep-copied,
-        # as tensor parallelism's sharding does); the struct is made per call, and only for
-        # a layer that has any (Qwen3-MoE and Mixtral pass none).
-        opts = None
-        if (router_bias is not None or self.softmax_over_top_k or biases
-                or self.swiglu is not None):
-            opts = (None if router_bias is None else router_bias.data_ptr(),
-                    int(self.softmax_over_top_k),
-                    None if self.b13 is None else self.b13.data_ptr(),
-                    None if self.b2 is None else self.b2.data_ptr(), alpha, limit)
-        keep += [router_bias, self.b13, self.b2]
+        opts, opt_tensors = self.c_options()
+        keep += opt_tensors
         table = torch.tensor(addrs, dtype=torch.int64)
         self._c_cache = (key, kind, router, table, opts, keep)
         return kind, router, table, opts
+
+    def c_options(self) -> tuple[tuple | None, list[torch.Tensor | None]]:
+        """The fields of :class:`cpu_kernels.MoeOpts` for gpt-oss's additions (None for a
+        layer without them: Qwen3-MoE, Mixtral), and the tensors they point into, which the
+        caller keeps alive."""
+        router_bias = (None if self.gate.bias is None
+                       else self.gate.bias.detach().float().contiguous())
+        # Plain values here (a module with a ctypes struct of pointers cannot be deep-copied,
+        # as tensor parallelism's sharding does); the caller makes the struct.
+        keep = [router_bias, self.b13, self.b2]
+        if (router_bias is None and not self.softmax_over_top_k and self.b13 is None
+                and self.b2 is None and self.swiglu is None):
+            return None, keep
+        alpha, limit = self.swiglu if self.swiglu is not None else (0.0, 0.0)
+        return (None if router_bias is None else router_bias.data_ptr(),
+                int(self.softmax_over_top_k),
+                None if self.b13 is None else self.b13.data_ptr(),
+                None if self.b2 is None else self.b2.data_ptr(), alpha, limit), keep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         block = self._c_block(x)

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_NUM_LAYER_PTRS = 17  # the enum at the top of decoder_stack.c
+_NUM_LAYER_PTRS = 19  # the enum at the top of decoder_stack.c
 _MAX_TABLES = 8
 # How many bytes of weights move to the huge-page arena between two trims of the heap.
 _TRIM_BYTES = 256 << 20
@@ -86,8 +86,9 @@ def unsupported_features(model: LlamaForCausalLM) -> list[str]:
     The C stack runs pre-norm Llama blocks (optionally per-head q/k norm, biases, MoE, a
     per-layer sliding window) with rotary over the whole head in every layer and a residual
     add without a multiplier; embedding multipliers and logit scaling or soft-capping run
-    outside it (in Python), and the attention scale is passed in. gpt-oss (attention sinks,
-    its experts' activation and biases) runs op by op.
+    outside it (in Python), and the attention scale is passed in. gpt-oss's attention sinks
+    and MoE options (router bias, softmax over the top k, expert biases, clamped SwiGLU) are
+    the stack's too.
     """
     from forerun.model.llama import DecoderLayer, SandwichNormDecoderLayer
 
@@ -115,10 +116,6 @@ def unsupported_features(model: LlamaForCausalLM) -> list[str]:
         found.append("attention soft-capping")
     if cfg.rope_local_theta is not None:
         found.append("per-layer rope")
-    if cfg.attention_sinks:
-        found.append("attention sinks")
-    if cfg.swiglu_alpha is not None:
-        found.append("clamped SwiGLU experts with biases")
     return found
 
 
@@ -154,7 +151,9 @@ class SmallBatchStack:
         # MoE layers: per layer the float32 router and the experts' weight addresses, kept
         # alive while the table holds their addresses.
         self._moe_tensors: list[torch.Tensor] = []
-        self._moe_entries: dict[int, tuple[int, int]] = {}
+        self._moe_entries: dict[int, tuple[int, int, int]] = {}
+        self._moe_opts: list[cpu_kernels.MoeOpts] = []  # gpt-oss's, by address in the table
+        self._sinks: list[torch.Tensor] = []  # gpt-oss's attention sinks as float32
         # Asked every step (applies): whether any layer is a mixture of experts.
         self._has_moe = any(isinstance(layer.mlp, FusedMoE) for layer in model.model.layers)
         # False once prepacking dropped the plain weights without a packed copy here, or
@@ -352,7 +351,12 @@ class SmallBatchStack:
             rows = []
             for i, layer in enumerate(self.model.model.layers):
                 attn = layer.self_attn
-                router, experts = self._moe_entries.get(i, (0, 0))
+                router, experts, opts = self._moe_entries.get(i, (0, 0, 0))
+                sinks = 0
+                if attn.sinks is not None:  # the kernel reads one float32 per query head
+                    f32 = attn.sinks.detach().float().contiguous()
+                    self._sinks.append(f32)
+                    sinks = f32.data_ptr()
                 rows.append([
                     _addr(layer.input_layernorm.weight),
                     w[f"{i}.qkv"],
@@ -368,6 +372,7 @@ class SmallBatchStack:
                     router, experts,
                     self.model.config.layer_window(i) or 0,
                     0, 0,
+                    sinks, opts,
                 ])
             self._weights = torch.tensor(rows, dtype=torch.int64).reshape(
                 -1, _NUM_LAYER_PTRS)
@@ -385,10 +390,10 @@ class SmallBatchStack:
         return cpu_kernels.LinearDesc(kind=cpu_kernels.LIN_PLAIN,
                                       w=self._linears[key].data.data_ptr())
 
-    def _moe_entry(self, moe: FusedMoE) -> tuple[int, int]:
-        """A MoE layer's table entries: its router as float32 [E, H], and each expert's
-        gate/up and down weight (block descriptors, int8 ``linear_t``, or plain float32
-        rows)."""
+    def _moe_entry(self, moe: FusedMoE) -> tuple[int, int, int]:
+        """A MoE layer's table entries: its router as float32 [E, H], each expert's
+        gate/up and down weight (block descriptors, int8 ``linear_t``, or plain rows), and
+        its :class:`cpu_kernels.MoeOpts` (gpt-oss; 0 for none)."""
         router = moe.gate.weight.detach().float().contiguous()
         if moe.quant_experts is not None and isinstance(moe.quant_experts[0][0], Int8Linear):
             # Their rows stay where they are (not moved to huge pages), so these addresses
@@ -404,7 +409,13 @@ class SmallBatchStack:
                      for a in (moe.w13[e].data_ptr(), moe.w2[e].data_ptr())]
         experts = torch.tensor(addrs, dtype=torch.int64)
         self._moe_tensors += [router, experts]
-        return router.data_ptr(), experts.data_ptr()
+        fields, keep = moe.c_options()
+        self._moe_tensors += [t for t in keep if t is not None]
+        opts = 0
+        if fields is not None:
+            self._moe_opts.append(cpu_kernels.MoeOpts(*fields))
+            opts = ctypes.addressof(self._moe_opts[-1])
+        return router.data_ptr(), experts.data_ptr(), opts
 
     def _layer_table(self, kv_caches: list[KVCache]) -> torch.Tensor:
         # Keyed by every address, not by object identity: a freed cache's memory can come

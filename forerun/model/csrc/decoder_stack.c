@@ -6,7 +6,8 @@
  * uses (RMSNorm, rotary, KV write, paged attention, SiLU-mul) run back to back with the
  * weight-streaming matmul of small_matmul.c, in the order of the Python layer
  * (forerun/model/llama.py), with no return to Python between layers. A mixture-of-experts
- * layer's MLP is moe_block.c's, over the same matmul.
+ * layer's MLP is moe_block.c's, over the same matmul (with gpt-oss's options where the layer
+ * has them, and its attention sinks in the paged attention).
  * Built and loaded by forerun/model/cpu_kernels.py.
  */
 #include <stdint.h>
@@ -33,6 +34,8 @@ enum {
     WINDOW,    /* not an address: the layer's sliding window (0: full attention; Mistral) */
     K_SCALE,   /* a quantized KV cache (kv_type > 0): float32 [num_blocks, kv_heads] scales */
     V_SCALE,
+    SINKS,    /* float32 [num_heads]: gpt-oss's attention sinks (0 if none) */
+    MOE_OPTS, /* a moe_opts_t: gpt-oss's additions to its MoE layer (0 if none) */
     NUM_LAYER_PTRS
 };
 
@@ -197,7 +200,7 @@ DEFINE_INT8_LINEAR(uint16_t, bf16)
                 if (paged_attention_kvq(qkv, row, kc, vc, ksc, vsc, a->kv_type, tables,          \
                                         a->table_stride, a->token_seq, a->token_len, attn, t,   \
                                         NH, KVH, a->block_size, D, a->scale, lp[WINDOW], 0.f,   \
-                                        NULL, sizeof(T) == 2) != 0)                             \
+                                        P(lp, SINKS), sizeof(T) == 2) != 0)                     \
                     rc = -1;                                                                    \
             } else {                                                                            \
                 kv_cache_write(qkv + qs, qkv + qs + kvs, row, slots, kc, vc, t, KVH,            \
@@ -205,14 +208,14 @@ DEFINE_INT8_LINEAR(uint16_t, bf16)
                 if (paged_attention_##SFX(qkv, row, kc, vc, tables, a->table_stride,            \
                                           a->token_seq, a->token_len, attn, t, NH, KVH,         \
                                           a->block_size, D, a->scale, lp[WINDOW], 0.f,          \
-                                          NULL) != 0)                                           \
+                                          P(lp, SINKS)) != 0)                                   \
                     rc = -1;                                                                    \
             }                                                                                   \
             if (MM(attn, P(lp, W_O), P(lp, B_O), h, t, H, qs) != 0) rc = -1;                    \
             rms_norm_##SFX(h, residual, P(lp, W_POST_NORM), t, H, a->eps);                      \
             if (lp[W_ROUTER]) {                                                                 \
                 if (MOE(h, x, t, H, a->num_experts, a->top_k, a->moe_intermediate,              \
-                        a->renormalize, P(lp, W_ROUTER), P(lp, W_EXPERTS), NULL) != 0)          \
+                        a->renormalize, P(lp, W_ROUTER), P(lp, W_EXPERTS), P(lp, MOE_OPTS)) != 0) \
                     rc = -1;                                                                    \
                 continue;                                                                       \
             }                                                                                   \
