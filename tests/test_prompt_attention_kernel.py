@@ -105,11 +105,14 @@ def test_prompt_attention_refuses_head_sizes_it_does_not_take() -> None:
 
 
 @needs_kernel
-def test_bf16_prompts_and_long_context_chunks_run_on_the_prompt_kernel(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_prompts_and_long_context_chunks_run_on_the_prompt_kernel_without_amx(
+        monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
     """A step of a fresh prompt, a long chunk with context and a decode: both prefill kinds go
-    to the kernel, and the step's output matches the float64 oracle of the whole step."""
+    to the kernel on a CPU without AMX, to SDPA (its tiles on AMX) on one with, and the
+    step's output matches the float64 oracle of the whole step either way."""
     monkeypatch.setattr(attention, "CONTEXT_CHUNK_MIN_TOKENS", 16)
+    monkeypatch.setattr(cpu_kernels, "small_matmul_has_amx", lambda: amx)
     calls: list[tuple[int, int, int]] = []
     real = cpu_kernels.prompt_attention
 
@@ -139,7 +142,7 @@ def test_bf16_prompts_and_long_context_chunks_run_on_the_prompt_kernel(
                                    torch.device("cpu"))
     kc, vc = k_cache.clone(), v_cache.clone()
     out = paged_attention(q, k, v, kc, vc, meta, 0.125).view(t, heads, d)
-    assert calls == [(1, 40, 40), (1, 20, 50)]
+    assert calls == ([] if amx else [(1, 40, 40), (1, 20, 50)])
     # Oracle: each sequence's keys and values as the cache now holds them (k is stored
     # [block, kv head, dim, offset]).
     for i, (ctx, n) in enumerate(seqs):

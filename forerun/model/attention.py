@@ -635,12 +635,15 @@ def _context_chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def _tiled_prompt_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether csrc/prompt_attention.c takes these prompt rows (``[T, H, D]``, keys ``[T, KVH,
-    D]``): bfloat16 on a CPU with AVX512-BF16, head sizes a multiple of 32 up to 256. Its
-    two tiled bf16 products ran a 512-token prompt of a Llama-3.2-1B layer's heads 5-6x
-    faster than SDPA (3.0 against 17.3 ms on 2 cores)."""
+    D]``): bfloat16 on a CPU with AVX512-BF16 but not AMX, head sizes a multiple of 32 up to
+    256. Its two tiled bf16 products ran a 512-token prompt of a Llama-3.2-1B layer's heads
+    5-6x faster than SDPA without AMX (3.0 against 17.3 ms on 2 cores); with AMX, torch's
+    SDPA runs its tiles there and is the faster one (1B heads: 3.5 against 7.0 ms at 512
+    tokens, 31 against 113 at 2048; Qwen3-30B-A3B's: 4.2 against 13.0, 47 against 203)."""
     d, num_heads, kvh = q.shape[2], q.shape[1], k.shape[1]
     return (d % 32 == 0 and d <= 256 and num_heads % kvh == 0 and num_heads // kvh <= 64
-            and cpu_kernels.has_prompt_attention(q.dtype))
+            and cpu_kernels.has_prompt_attention(q.dtype)
+            and not cpu_kernels.small_matmul_has_amx())
 
 
 def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
