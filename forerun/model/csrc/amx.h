@@ -50,6 +50,12 @@ static inline void amx_bf16_pass(const uint16_t *x0, int64_t k, const uint16_t *
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < k / 32; ++kb) {
+#ifdef AMX_PF /* the includer's: B tiles streamed from memory, prefetched AMX_PF tiles ahead */
+        for (int i = 0; i < 16; ++i) {
+            _mm_prefetch((const char *)(b0 + (kb + AMX_PF) * 512 + 32 * i), _MM_HINT_T0);
+            if (b1) _mm_prefetch((const char *)(b1 + (kb + AMX_PF) * 512 + 32 * i), _MM_HINT_T0);
+        }
+#endif
         _tile_loadd(4, x0 + kb * 32, k * 2);
         _tile_loadd(6, b0 + kb * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
