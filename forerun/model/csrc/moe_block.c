@@ -129,17 +129,28 @@ static void router_logits(const float *hf, const float *router, float *logits, i
 
 /* The block's scratch (routing, the grouped rows and every expert's intermediates: tens
  * of MB at a prefill), kept per calling thread from call to call: fresh pages each call
- * cost about 8% of a Qwen3-30B-A3B layer's 512-token prefill in page faults. */
+ * cost about 8% of a Qwen3-30B-A3B layer's 512-token prefill in page faults. A buffer past
+ * SCRATCH_KEEP (a prefill of thousands of tokens) is released after its call instead. */
+#define SCRATCH_KEEP ((size_t)128 << 20)
+static __thread char *scratch_buf = NULL;
+static __thread size_t scratch_cap = 0;
+
 static char *moe_scratch(size_t bytes) {
-    static __thread char *buf = NULL;
-    static __thread size_t cap = 0;
-    if (bytes > cap) {
-        free(buf);
-        cap = (bytes + 4095) / 4096 * 4096;
-        buf = aligned_alloc(64, cap);
-        if (!buf) cap = 0;
+    if (bytes > scratch_cap) {
+        free(scratch_buf);
+        scratch_cap = (bytes + 4095) / 4096 * 4096;
+        scratch_buf = aligned_alloc(64, scratch_cap);
+        if (!scratch_buf) scratch_cap = 0;
     }
-    return buf;
+    return scratch_buf;
+}
+
+static void moe_scratch_done(void) {
+    if (scratch_cap > SCRATCH_KEEP) {
+        free(scratch_buf);
+        scratch_buf = NULL;
+        scratch_cap = 0;
+    }
 }
 
 /* The offset of the next n bytes at *at (64-byte aligned). */
@@ -237,6 +248,7 @@ static size_t carve(size_t *at, size_t n) {
             for (int64_t c = 0; c < H; ++c) acc[who[p] * H + c] += rw[p] * TO_F(eo[p * H + c]); \
         if (rc == 0)                                                                           \
             for (int64_t i = 0; i < t * H; ++i) out[i] = FROM_F(acc[i]);                      \
+        moe_scratch_done();                                                                    \
         return rc;                                                                             \
     }
 
