@@ -195,6 +195,17 @@ class FusedMoE(nn.Module):
             # 64 tokens, 1.2x at 256, level at 512; block-backed experts run the same
             # kernels either way). bfloat16 rows on AMX tiles beat torch at every size.
             return None
+        inputs = self.c_inputs()
+        return None if inputs is None else inputs[:4]
+
+    def c_inputs(self) -> tuple[str, torch.Tensor, torch.Tensor, tuple | None, list[Any]] | None:
+        """What the C block (this layer's :func:`cpu_kernels.moe_block` call, or its entry in
+        the one-call stack's table) reads: ``(kind, router float32 [E, H], expert addresses
+        int64 [2E], the fields of :class:`cpu_kernels.MoeOpts` or None, what the table and
+        options point into)``, built once per set of weights; None for experts of a kind the
+        block does not take."""
+        quant = self.quant_experts
+        biases = [b for b in (self.b13, self.b2) if b is not None]
         # The table is keyed by what it points into; holding those keeps their addresses.
         held = quant if quant is not None else (self.w13, self.w2)
         key = (id(held) if quant is not None else (self.w13.data_ptr(), self.w2.data_ptr()),
@@ -202,7 +213,7 @@ class FusedMoE(nn.Module):
                None if self.gate.bias is None else self.gate.bias.data_ptr(),
                *(b.data_ptr() for b in biases))
         if self._c_cache is not None and self._c_cache[0] == key:
-            return self._c_cache[1:5]
+            return self._c_cache[1:]
         router = self.gate.weight.detach().float().contiguous()
         keep: list[Any] = [held]
         if quant is None:
@@ -226,7 +237,7 @@ class FusedMoE(nn.Module):
         keep += opt_tensors
         table = torch.tensor(addrs, dtype=torch.int64)
         self._c_cache = (key, kind, router, table, opts, keep)
-        return kind, router, table, opts
+        return kind, router, table, opts, keep
 
     def c_options(self) -> tuple[tuple | None, list[torch.Tensor | None]]:
         """The fields of :class:`cpu_kernels.MoeOpts` for gpt-oss's additions (None for a

@@ -148,9 +148,9 @@ class SmallBatchStack:
             num_experts=cfg.num_experts,
             top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
             renormalize=int(cfg.norm_topk_prob))
-        # MoE layers: per layer the float32 router and the experts' weight addresses, kept
-        # alive while the table holds their addresses.
-        self._moe_tensors: list[torch.Tensor] = []
+        # MoE layers: per layer the C block's inputs (router, expert addresses and what they
+        # point into), kept alive while the table holds their addresses.
+        self._moe_kept: list[tuple] = []
         self._moe_entries: dict[int, tuple[int, int, int]] = {}
         self._moe_opts: list[cpu_kernels.MoeOpts] = []  # gpt-oss's, by address in the table
         self._sinks: list[torch.Tensor] = []  # gpt-oss's attention sinks as float32
@@ -170,9 +170,8 @@ class SmallBatchStack:
         # Once pack() or applies() has seen the layers: "gguf" (every layer linear in GGUF
         # blocks), "plain" (every one an nn.Linear), "int8" (Int8Linear beside plain ones).
         self.mode: str | None = None
-        # "int8": the table's linear_t and its experts', kept alive.
+        # "int8": the table's linear_t, kept alive (its experts' are in _moe_kept).
         self._descs: list[cpu_kernels.LinearDesc] = []
-        self._expert_descs: list[cpu_kernels.LinearDesc] = []
         self._default_tokens: dict[torch.dtype, int] = {}  # max_tokens' default per dtype
 
     def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
@@ -391,26 +390,16 @@ class SmallBatchStack:
                                       w=self._linears[key].data.data_ptr())
 
     def _moe_entry(self, moe: FusedMoE) -> tuple[int, int, int]:
-        """A MoE layer's table entries: its router as float32 [E, H], each expert's
-        gate/up and down weight (block descriptors, int8 ``linear_t``, or plain rows), and
-        its :class:`cpu_kernels.MoeOpts` (gpt-oss; 0 for none)."""
-        router = moe.gate.weight.detach().float().contiguous()
-        if moe.quant_experts is not None and isinstance(moe.quant_experts[0][0], Int8Linear):
-            # Their rows stay where they are (not moved to huge pages), so these addresses
-            # hold for the stack's life.
-            descs = [self._linear_desc("", lin) for pair in moe.quant_experts for lin in pair]
-            self._expert_descs += descs
-            addrs = [ctypes.addressof(d) for d in descs]
-        elif moe.quant_experts is not None:
-            addrs = [ctypes.addressof(lin.desc) for pair in moe.quant_experts for lin in pair]
-        else:
-            assert moe.w13 is not None and moe.w2 is not None
-            addrs = [a for e in range(moe.num_experts)
-                     for a in (moe.w13[e].data_ptr(), moe.w2[e].data_ptr())]
-        experts = torch.tensor(addrs, dtype=torch.int64)
-        self._moe_tensors += [router, experts]
-        fields, keep = moe.c_options()
-        self._moe_tensors += [t for t in keep if t is not None]
+        """A MoE layer's table entries, as the layer's own C block reads them
+        (:meth:`FusedMoE.c_inputs`): its router as float32 [E, H], each expert's gate/up and
+        down weight (block descriptors, int8 ``linear_t``, or plain rows), and its
+        :class:`cpu_kernels.MoeOpts` (gpt-oss; 0 for none)."""
+        inputs = moe.c_inputs()
+        assert inputs is not None, "_mode admits only experts the block takes"
+        _, router, experts, fields, keep = inputs
+        # Int8 experts' rows stay where they are (not moved to huge pages), and GGUF ones
+        # are read through their descriptors, which move with them: the addresses hold.
+        self._moe_kept.append(inputs)
         opts = 0
         if fields is not None:
             self._moe_opts.append(cpu_kernels.MoeOpts(*fields))

@@ -203,7 +203,7 @@ static size_t carve(size_t *at, size_t n) {
         memset(first, 0, sizeof(int64_t) * (size_t)(E + 1));                                   \
         int rc = 0;                                                                            \
         int64_t na = 0;                                                                        \
-        if (rc == 0) {                                                                         \
+        {                                                                                      \
             for (int64_t i = 0; i < t * H; ++i) hf[i] = TO_F(h[i]);                           \
             router_logits(hf, router, logits, t, E, H);                                        \
             if (o->router_bias)                                                                \
