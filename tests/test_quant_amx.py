@@ -54,14 +54,16 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, wd: np.ndarray, bias: torch.Tensor | None) -> None:
-    """y within half a bfloat16 step of the float64 product with the bfloat16 weight, plus
-    float32 summation error; the result is rounded once, so that is all it may differ by."""
+    """y within float32 summation error of the float64 product with the bfloat16 weight,
+    plus half a bfloat16 step where y is bfloat16 (rounded once, so that is all it may
+    differ by)."""
     xd, wb = x.double().numpy(), _bf16(wd)
     exact = xd @ wb.T + (0 if bias is None else bias.double().numpy())
     magnitude = np.abs(xd) @ np.abs(wb).T
     got = y.double().numpy()
-    assert y.dtype == torch.bfloat16
-    assert np.all(np.abs(got - exact) <= 2.0 ** -8 * np.abs(exact) + 1e-5 * magnitude)
+    rounding = 2.0 ** -8 if y.dtype == torch.bfloat16 else 0.0
+    assert y.dtype in (torch.bfloat16, torch.float32)
+    assert np.all(np.abs(got - exact) <= rounding * np.abs(exact) + 1e-5 * magnitude)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -111,6 +113,45 @@ def test_fused_parts_each_into_their_own_columns() -> None:
     integer = cpu_kernels.gguf_matmul(x, lin.desc, 72, bias)
     cpu_kernels.set_gguf_amx(True)
     assert not torch.equal(integer, cpu_kernels.gguf_matmul(x, lin.desc, 72, bias))
+
+
+@pytest.mark.parametrize("qtype", [GT.Q6_K, GT.Q8_0], ids=lambda t: t.name)
+def test_float32_logits_from_bfloat16_rows(qtype: GT) -> None:
+    """An output head: bfloat16 hidden rows in, float32 logits (and bias) out, not rounded to
+    bfloat16; float32 rows stay on the integer bodies (exact weights)."""
+    rng = np.random.default_rng(12)
+    raw = _blocks(qtype, 45, 512, rng)
+    wd = dequantize(raw, qtype).reshape(45, 512).astype(np.float64)
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], 512)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(33, 512, generator=gen).bfloat16()
+    bias = torch.randn(45, generator=gen)
+    for b in (None, bias):
+        y = cpu_kernels.gguf_matmul(x, lin.desc, 45, b, out_dtype=torch.float32)
+        _check(y, x, wd, b)
+    assert lin.logits(x).dtype == torch.float32
+    _check(lin.logits(x), x, wd, None)
+    cpu_kernels.set_gguf_amx(False)
+    integer = lin.logits(x)
+    cpu_kernels.set_gguf_amx(True)
+    assert not torch.equal(integer, lin.logits(x))  # the AMX path ran above
+    assert torch.equal(lin.logits(x.float()), integer)  # float32 rows: the integer bodies
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(40, 597, 512), (17, 40, 16640)],
+                         ids=["many-pairs-a-panel", "k-in-two-chunks"])
+def test_tall_weights_in_panels_and_long_rows_in_chunks(m: int, n: int, k: int) -> None:
+    """A thread's panel holds several pairs of 16-row groups (the last panel and group
+    partial), and a k too long for one panel's scratch runs in chunks (the last one short)
+    whose sums wait in float32 between them."""
+    rng = np.random.default_rng(n)
+    raw = _blocks(GT.Q4_K, n, k, rng)
+    wd = dequantize(raw, GT.Q4_K).reshape(n, k).astype(np.float64)
+    lin = GGUFLinear([(int(GT.Q4_K), torch.from_numpy(raw.copy()))], k)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    _check(cpu_kernels.gguf_matmul(x, lin.desc, n, bias), x, wd, bias)
 
 
 @pytest.mark.parametrize(("qtype", "rows"), [(GT.Q4_K, 15), (GT.Q4_0, 31)],

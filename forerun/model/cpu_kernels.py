@@ -609,10 +609,11 @@ class QWeightDesc(ctypes.Structure):
 def bind_gguf_kernels(lib: ctypes.CDLL) -> None:
     """Declare the signatures of the GGUF-block kernels on a loaded library (the kernel
     library, or a test's build of :data:`GGUF_SOURCES` alone for another instruction set)."""
-    for suffix in _DTYPE_SUFFIX.values():
+    for suffix in (*_DTYPE_SUFFIX.values(), "bf16_f32"):
         fn = getattr(lib, f"gguf_matmul_{suffix}")
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    for suffix in _DTYPE_SUFFIX.values():
         fn = getattr(lib, f"int8_quantize_rows_{suffix}")
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _ptr, _ptr, _i64, _i64]
@@ -636,15 +637,21 @@ def set_gguf_amx(enabled: bool, lib: ctypes.CDLL | None = None) -> bool:
 
 
 def gguf_matmul(x: torch.Tensor, desc: QWeightDesc, n: int, bias: torch.Tensor | None,
-                lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
     """``x @ W.T + bias`` for contiguous ``x`` ``[..., k]`` (float32 or bfloat16), ``W``
-    ``[n, k]`` the GGUF blocks ``desc`` points to (parts of any natively run type)."""
+    ``[n, k]`` the GGUF blocks ``desc`` points to (parts of any natively run type), in
+    ``x``'s dtype, or float32 from bfloat16 ``x`` where ``out_dtype`` says so (the bias then
+    float32 too)."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
     k = x.shape[-1]
-    assert x.is_contiguous() and (bias is None or bias.dtype == x.dtype)
-    out = x.new_empty(*x.shape[:-1], n)
-    rc = getattr(lib, f"gguf_matmul_{_DTYPE_SUFFIX[x.dtype]}")(
+    out_dtype = out_dtype or x.dtype
+    assert out_dtype == x.dtype or (x.dtype, out_dtype) == (torch.bfloat16, torch.float32)
+    assert x.is_contiguous() and (bias is None or bias.dtype == out_dtype)
+    out = x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
+    suffix = _DTYPE_SUFFIX[x.dtype] if out_dtype == x.dtype else "bf16_f32"
+    rc = getattr(lib, f"gguf_matmul_{suffix}")(
         x.data_ptr(), ctypes.addressof(desc), None if bias is None else bias.data_ptr(),
         out.data_ptr(), x.numel() // k, n, k)
     if rc == -1:

@@ -7,7 +7,7 @@ sandwich norms, (1 + w) weights, scaled embeddings and soft-capping, sliding win
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from forerun.model.layers import GatedMLP, RMSNorm
 from forerun.model.packed_linear import PackedLinear, prepack_linears
 from forerun.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary
 from forerun.model.small_batch import SmallBatchStack
+
+if TYPE_CHECKING:
+    from forerun.model.quant.gguf_linear import GGUFLinear
 
 # Where a layer's q/k RMSNorm applies: per head over head_dim (Qwen3), or over the whole
 # q and k projections before they split into heads (OLMo 2); None: no q/k norm.
@@ -244,7 +247,7 @@ class LlamaForCausalLM(CausalLM):
         self.packed_tied_head: PackedLinear | None = None
         # quantization="gguf": the output head over GGUF blocks (the tied embedding's, or
         # lm_head's own); set by the loader (forerun/model/quant/gguf_linear.py).
-        self.quant_head: nn.Module | None = None
+        self.quant_head: GGUFLinear | None = None
         # Tensor parallel: the vocabulary-parallel output head (logits gathered over the
         # ranks); set by forerun/distributed/tensor_parallel.py.
         self.tp_head: nn.Module | None = None
@@ -328,8 +331,7 @@ class LlamaForCausalLM(CausalLM):
         if self.tp_head is not None:
             return self.tp_head(hidden)
         if self.quant_head is not None:
-            # float32 in, float32 logits out: no rounding of the logits to the model dtype.
-            return self.quant_head(hidden.float())
+            return self.quant_head.logits(hidden)
         if self.small_batch.applies(hidden):
             return self.small_batch.logits(hidden)
         if self.packed_tied_head is not None:

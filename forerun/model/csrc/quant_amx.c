@@ -3,22 +3,24 @@
  *
  * The integer bodies of quant_matmul.c unpack every line of a tile for every few activation
  * rows and run 64 byte products per VNNI instruction; an AMX-BF16 tile multiply runs 8192
- * products. So where the CPU has AMX, each thread takes two groups of 16 weight rows at a
- * time, dequantizes their whole k range once into bfloat16 B tiles (16 lines of 64 bytes per
- * 32 values of k: line j the value pair 2j, 2j+1 of each of the 16 rows, as small_matmul.c's
- * packed weights), which stay in L2 (64 k bytes), and runs every activation row against them
- * 32 at a time, four 16x16 float32 accumulator tiles. The unpacking is thus shared by all
- * rows, and the activations are not quantized: the function computed is x times the weight
- * dequantized to bfloat16 (w = q * s - o per block in float32, rounded to nearest even),
- * summed in float32, which is closer to the exact product than the integer bodies' (their
- * activations rounded to 8 bits).
+ * products. So where the CPU has AMX, each thread takes a panel of 16-row groups, dequantizes
+ * it a chunk of k at a time into bfloat16 B tiles (16 lines of 64 bytes per 32 values of k:
+ * line j the value pair 2j, 2j + 1 of each of the 16 rows, as small_matmul.c's packed
+ * weights), which stay in L2, and runs every 32-row stripe of x against each pair of groups
+ * in it, four 16x16 float32 accumulator tiles. The unpacking is thus shared by all rows, and
+ * the activations are not quantized: the function computed is x times the weight dequantized
+ * to bfloat16 (w = q * s - o per block in float32, rounded to nearest even), summed in
+ * float32, which is closer to the exact product than the integer bodies' (their activations
+ * rounded to 8 bits).
  *
- * quant_matmul_rows_io takes this path from QAMX_MIN_ROWS rows of bfloat16 x and y;
- * quant_matmul_amx_set turns it off (tests of the integer bodies, benchmarks comparing
- * them). Built and loaded by forerun/model/cpu_kernels.py. */
+ * quant_matmul_rows_io takes this path from QAMX_MIN_ROWS rows of bfloat16 x (y bfloat16, or
+ * float32 for an output head's logits); quant_matmul_amx_set turns it off (tests of the
+ * integer bodies, benchmarks comparing them). Built and loaded by
+ * forerun/model/cpu_kernels.py. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "bf16.h"
 #include "ktile.h"
@@ -174,32 +176,22 @@ static void dequant_group(int64_t type, const uint8_t *tiles, int64_t nt, uint16
     for (int64_t i = 0; i < nt; ++i) dequant_tile(type, tiles + i * tb, b + i * per);
 }
 
-/* Rows r0.. of a stored 16x16 accumulator tile c into y's columns col..col + cols - 1. */
-static void store_c(const float *c, uint16_t *y, int64_t ldy, const uint16_t *bias, int64_t m,
-                    int64_t r0, int64_t col, int64_t cols) {
+/* Rows r0.. of a 16x16 float32 accumulator tile c (rows ldc apart) into y's columns col..col +
+ * cols - 1 (y and bias bfloat16 where y_bf16, else float32). */
+static void store_c(const float *c, int64_t ldc, void *y, int y_bf16, int64_t ldy,
+                    const void *bias, int64_t m, int64_t r0, int64_t col, int64_t cols) {
     const __mmask16 keep = (__mmask16)((1u << cols) - 1);
-    const __m512 bv = bias ? bf16x16_widen(_mm256_maskz_loadu_epi16(keep, bias + col))
-                           : _mm512_setzero_ps();
+    __m512 bv = _mm512_setzero_ps();
+    if (bias)
+        bv = y_bf16 ? bf16x16_widen(_mm256_maskz_loadu_epi16(keep, (const uint16_t *)bias + col))
+                    : _mm512_maskz_loadu_ps(keep, (const float *)bias + col);
     for (int64_t t = 0; t < 16 && r0 + t < m; ++t) {
-        const __m512 v = _mm512_add_ps(_mm512_load_ps(c + 16 * t), bv);
-        _mm256_mask_storeu_epi16(y + (r0 + t) * ldy + col, keep,
-                                 (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
-
-/* Every row of xp (mp of them, a multiple of 16) against one or two groups' B tiles. */
-static void amx_groups(const uint16_t *xp, int64_t mp, int64_t k, const uint16_t *b0,
-                       const uint16_t *b1, uint16_t *y, int64_t ldy, const uint16_t *bias,
-                       int64_t m, int64_t col, int64_t cols0, int64_t cols1, float c[4][256]) {
-    for (int64_t i0 = 0; i0 < mp; i0 += 32) {
-        const int rows2 = i0 + 16 < mp;
-        amx_bf16_pass(xp + i0 * k, k, b0, b1, rows2, c);
-        store_c(c[0], y, ldy, bias, m, i0, col, cols0);
-        if (b1) store_c(c[1], y, ldy, bias, m, i0, col + GR, cols1);
-        if (rows2) {
-            store_c(c[2], y, ldy, bias, m, i0 + 16, col, cols0);
-            if (b1) store_c(c[3], y, ldy, bias, m, i0 + 16, col + GR, cols1);
-        }
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(c + ldc * t), bv);
+        if (y_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + t) * ldy + col, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_mask_storeu_ps((float *)y + (r0 + t) * ldy + col, keep, v);
     }
 }
 
@@ -215,67 +207,174 @@ static uint16_t *group_scratch(size_t values) {
     return buf;
 }
 
-int quant_matmul_amx(const uint16_t *x, const qweight_t *w, uint16_t *y, const uint16_t *bias,
-                     int64_t ldy, int64_t m, int64_t k) {
+/* kcs 32-value steps of the A tiles from x0 (x held as A tiles; x0 + 16 xk its next 16 rows,
+ * where rows2) against B tiles from b0 and b1 (b1 NULL: none), into the 16x16 float32 tiles
+ * of acc (rows ldc apart: c0 at acc, c1 at acc + 16, c2 and c3 16 rows below), which hold a
+ * previous chunk's sums where load, else start from zero. */
+static inline void amx_chunk(const uint16_t *x0, int64_t xk, int64_t kcs, const uint16_t *b0,
+                             const uint16_t *b1, int rows2, float *acc, int64_t ldc, int load) {
+    const uint16_t *x1 = x0 + 16 * xk;
+    float *c[4] = {acc, acc + 16, acc + 16 * ldc, acc + 16 * ldc + 16};
+    if (load) {
+        _tile_loadd(0, c[0], 4 * ldc);
+        if (b1) _tile_loadd(1, c[1], 4 * ldc);
+        if (rows2) _tile_loadd(2, c[2], 4 * ldc);
+        if (rows2 && b1) _tile_loadd(3, c[3], 4 * ldc);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < kcs; ++kb) {
+        _tile_loadd(4, x0 + kb * 512, 64);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (b1) {
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (rows2) {
+            _tile_loadd(5, x1 + kb * 512, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            if (b1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 4 * ldc);
+    if (b1) _tile_stored(1, c[1], 4 * ldc);
+    if (rows2) _tile_stored(2, c[2], 4 * ldc);
+    if (rows2 && b1) _tile_stored(3, c[3], 4 * ldc);
+}
+
+/* A thread's unit of work is a panel: an even number of 16-row groups (at most PANEL_ROWS
+ * rows, fewer where that leaves under 4 panels a thread), dequantized a chunk of k at a time,
+ * at most PANEL_BYTES, which stays in L2. Each 32-row stripe of x is run against every group
+ * pair of the chunk, so x streams from memory once per panel and chunk instead of once per
+ * 32 weight rows (a 2048-row prefill of a 2048-wide weight re-read its 8 MB of x for every
+ * pair: 17.1 -> 11.4 ms for 3072 x 2048 on 2 cores); with several chunks the sums wait in a
+ * float32 buffer of the panel's width. */
+#define PANEL_ROWS 256
+#define PANEL_BYTES (1024 << 10)
+
+static float *acc_scratch(size_t values) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (values > cap) {
+        free(buf);
+        cap = values;
+        buf = aligned_alloc(64, sizeof(float) * cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
+
+int quant_matmul_amx(const uint16_t *x, const qweight_t *w, void *y, int y_bf16,
+                     const void *bias, int64_t ldy, int64_t m, int64_t k) {
     if (!amx_enabled || m < 1 || k % 32 || w->nparts < 1 || w->nparts > QW_MAXPARTS)
         return -2;
-    int64_t first_pair[QW_MAXPARTS + 1], first_row[QW_MAXPARTS], pairs = 0, rows = 0;
+    int64_t groups = 0;
     int all_k = 1;
     for (int64_t p = 0; p < w->nparts; ++p) {
         if (!block_bytes(w->type[p]) || w->rows[p] < 1 || k % block_values(w->type[p])) return -2;
         all_k &= block_values(w->type[p]) == 256;
-        first_pair[p] = pairs;
-        first_row[p] = rows;
-        pairs += ((w->rows[p] + GR - 1) / GR + 1) / 2;
-        rows += w->rows[p];
+        groups += (w->rows[p] + GR - 1) / GR;
     }
-    first_pair[w->nparts] = pairs;
     /* Below these the integer bodies win: they unpack the K-quants' tiles for every 8 rows,
      * the 32-value types' simpler ones cost less (2048 x 8192 on 2 cores: Q4_K at 16 rows
      * 0.92 against 1.70 ms; Q4_0 at 16 rows 0.87 against 0.86, at 32 1.02 against 1.74). */
     if (m < (all_k ? QAMX_MIN_ROWS : 2 * QAMX_MIN_ROWS) || !amx_permitted()) return -2;
-    const int64_t mp = (m + 15) / 16 * 16;
-    uint16_t *xp = (uint16_t *)x;
-    if (mp != m) { /* rows padded with zeros to whole tiles */
-        xp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(mp * k));
-        if (!xp) return -1;
-        memcpy(xp, x, sizeof(uint16_t) * (size_t)(m * k));
-        memset(xp + m * k, 0, sizeof(uint16_t) * (size_t)((mp - m) * k));
+    int64_t pgroups = groups / (4 * omp_get_max_threads()) / 2 * 2;
+    if (pgroups > PANEL_ROWS / GR) pgroups = PANEL_ROWS / GR;
+    if (pgroups < 2) pgroups = 2;
+    /* k per chunk: a whole number of blocks (256 values serve every type) */
+    int64_t kc = PANEL_BYTES / ((int64_t)sizeof(uint16_t) * GR * pgroups) / 256 * 256;
+    if (kc < 256) kc = 256;
+    if (kc > k) kc = k;
+    const int64_t nchunks = (k + kc - 1) / kc;
+    int64_t first_panel[QW_MAXPARTS + 1], first_row[QW_MAXPARTS], panels = 0, rows = 0;
+    for (int64_t p = 0; p < w->nparts; ++p) {
+        first_panel[p] = panels;
+        first_row[p] = rows;
+        panels += ((w->rows[p] + GR - 1) / GR + pgroups - 1) / pgroups;
+        rows += w->rows[p];
     }
+    first_panel[w->nparts] = panels;
+    /* x as its A tiles (rows padded with zeros to whole tiles): contiguous 1 KB tile loads,
+     * where rows k values apart put a tile's 16 lines in one L1 set (k = 2048 bfloat16). */
+    const int64_t mp = (m + 15) / 16 * 16;
+    uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(mp * k));
+    if (!xp) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t rb = 0; rb < mp / 16; ++rb)
+        for (int64_t r = 0; r < 16; ++r) {
+            const int64_t i = 16 * rb + r;
+            uint16_t *dst = xp + 16 * rb * k + 32 * r;
+            for (int64_t kb = 0; kb < k / 32; ++kb, dst += 512) {
+                _mm512_store_si512(dst, i < m ? _mm512_loadu_si512(x + i * k + 32 * kb)
+                                              : _mm512_setzero_si512());
+            }
+        }
+    const int64_t ldacc = GR * pgroups;
     int failed = 0;
 #pragma omp parallel
     {
         amx_configure_full();
-        float c[4][256] __attribute__((aligned(64)));
-        uint16_t *bt = group_scratch((size_t)(2 * GR * k));
-        if (!bt) {
+        float c[32 * 32] __attribute__((aligned(64)));
+        uint16_t *bt = group_scratch((size_t)(pgroups * GR * kc));
+        float *acc = nchunks > 1 ? acc_scratch((size_t)(mp * ldacc)) : c;
+        if (!bt || !acc) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t q = 0; q < pairs; ++q) {
-            if (!bt) continue;
+        for (int64_t q = 0; q < panels; ++q) {
+            if (!bt || !acc) continue;
             int64_t p = 0;
-            while (q >= first_pair[p + 1]) ++p;
-            const int64_t type = w->type[p], nt = k / block_values(type);
-            const int64_t g0 = 2 * (q - first_pair[p]), r0 = g0 * GR;
-            const int64_t left = w->rows[p] - r0, two = left > GR;
-            const uint8_t *tiles = w->data[p] + g0 * nt * GR * block_bytes(type);
-            dequant_group(type, tiles, nt, bt);
-            if (two) dequant_group(type, tiles + nt * GR * block_bytes(type), nt, bt + GR * k);
-            amx_groups(xp, mp, k, bt, two ? bt + GR * k : NULL, y, ldy, bias, m,
-                       first_row[p] + r0, left < GR ? left : GR,
-                       two ? (left - GR < GR ? left - GR : GR) : 0, c);
+            while (q >= first_panel[p + 1]) ++p;
+            const int64_t type = w->type[p], bv = block_values(type);
+            const int64_t gbytes = k / bv * GR * block_bytes(type);
+            const int64_t g0 = pgroups * (q - first_panel[p]), r0 = g0 * GR;
+            int64_t ng = (w->rows[p] - r0 + GR - 1) / GR;
+            if (ng > pgroups) ng = pgroups;
+            for (int64_t ci = 0; ci < nchunks; ++ci) {
+                const int64_t k0 = ci * kc, kn = k - k0 < kc ? k - k0 : kc;
+                const int last = ci == nchunks - 1;
+                for (int64_t g = 0; g < ng; ++g)
+                    dequant_group(type, w->data[p] + (g0 + g) * gbytes + k0 / bv * GR * block_bytes(type),
+                                  kn / bv, bt + g * GR * kn);
+                for (int64_t i0 = 0; i0 < mp; i0 += 32) {
+                    const int rows2 = i0 + 16 < mp;
+                    for (int64_t g = 0; g < ng; g += 2) {
+                        const int64_t left = w->rows[p] - r0 - g * GR, two = left > GR;
+                        const int64_t col = first_row[p] + r0 + g * GR;
+                        float *a = nchunks > 1 ? acc + i0 * ldacc + g * GR : c;
+                        const int64_t lda = nchunks > 1 ? ldacc : 32;
+                        amx_chunk(xp + i0 * k + k0 / 32 * 512, k, kn / 32, bt + g * GR * kn,
+                                  two ? bt + (g + 1) * GR * kn : NULL, rows2, a, lda, ci > 0);
+                        if (!last) continue;
+                        const int64_t cols0 = left < GR ? left : GR;
+                        const int64_t cols1 = left - GR < GR ? left - GR : GR;
+                        store_c(a, lda, y, y_bf16, ldy, bias, m, i0, col, cols0);
+                        if (two) store_c(a + 16, lda, y, y_bf16, ldy, bias, m, i0, col + GR, cols1);
+                        if (rows2) {
+                            store_c(a + 16 * lda, lda, y, y_bf16, ldy, bias, m, i0 + 16, col, cols0);
+                            if (two)
+                                store_c(a + 16 * lda + 16, lda, y, y_bf16, ldy, bias, m, i0 + 16,
+                                        col + GR, cols1);
+                        }
+                    }
+                }
+            }
         }
         _tile_release();
     }
-    if (xp != x) free(xp);
+    free(xp);
     return failed ? -1 : 0;
 }
 #else
-int quant_matmul_amx(const uint16_t *x, const qweight_t *w, uint16_t *y, const uint16_t *bias,
-                     int64_t ldy, int64_t m, int64_t k) {
-    (void)x, (void)w, (void)y, (void)bias, (void)ldy, (void)m, (void)k;
+int quant_matmul_amx(const uint16_t *x, const qweight_t *w, void *y, int y_bf16,
+                     const void *bias, int64_t ldy, int64_t m, int64_t k) {
+    (void)x, (void)w, (void)y, (void)y_bf16, (void)bias, (void)ldy, (void)m, (void)k;
     return -2;
 }
 #endif

@@ -1040,8 +1040,8 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
         total += w->rows[p];
     }
     first_group[w->nparts] = groups;
-    if (x_bf16 && y_bf16 && m >= QAMX_MIN_ROWS) {
-        const int rc = quant_matmul_amx(x, w, y, bias, ldy, m, k);
+    if (x_bf16 && m >= QAMX_MIN_ROWS) {
+        const int rc = quant_matmul_amx(x, w, y, y_bf16, bias, ldy, m, k);
         if (rc != -2) return rc;
     }
     const int64_t nb = k / QK;

@@ -28,12 +28,13 @@ int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy
  * of y's type (NULL: none; indexed by w's rows) added: no float copy of either. */
 int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y, int y_bf16,
                          const void *bias, int64_t ldy, int64_t m, int64_t k);
-/* quant_amx.c: the same for bfloat16 x and y on AMX (every part a tiled type), from
- * QAMX_MIN_ROWS rows; -2 where it does not run (no AMX, a type it does not take, turned off
- * by quant_matmul_amx_set(0), which returns the previous setting). */
+/* quant_amx.c: the same for bfloat16 x on AMX (every part a tiled type; y and the bias
+ * bfloat16 where y_bf16, else float32), from QAMX_MIN_ROWS rows; -2 where it does not run (no
+ * AMX, a type it does not take, turned off by quant_matmul_amx_set(0), which returns the
+ * previous setting). */
 #define QAMX_MIN_ROWS 16
-int quant_matmul_amx(const uint16_t *x, const qweight_t *w, uint16_t *y, const uint16_t *bias,
-                     int64_t ldy, int64_t m, int64_t k);
+int quant_matmul_amx(const uint16_t *x, const qweight_t *w, void *y, int y_bf16,
+                     const void *bias, int64_t ldy, int64_t m, int64_t k);
 int quant_matmul_amx_set(int on);
 int kquant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
                        int64_t k);

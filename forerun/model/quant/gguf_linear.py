@@ -124,6 +124,16 @@ class GGUFLinear(nn.Module):
                                            None if bias is None else bias.contiguous())
         return self.forward_torch(x)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 ``x @ W.T + bias`` from float32 or bfloat16 ``x``: an output head, whose
+        logits are not rounded to the model dtype (bfloat16 rows go to the kernel as they
+        are, where many of them take the AMX path)."""
+        if x.dtype == torch.bfloat16 and cpu_kernels.supports(x.dtype, x.device):
+            bias = None if self.bias is None else self.bias.float().contiguous()
+            return cpu_kernels.gguf_matmul(x.contiguous(), self.desc, self.out_features, bias,
+                                           out_dtype=torch.float32)
+        return self(x.float())
+
     def family_runs(self) -> list[tuple[bool, list[tuple[int, torch.Tensor]]]]:
         """The parts (:attr:`parts`) in runs of one family, ``(K-quant?, parts)`` in row
         order: the torch functions take one family each."""
