@@ -27,7 +27,13 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from forerun import LLM, SamplingParams
 from forerun.model import cpu_kernels
 from forerun.model.gpt_oss import dequantize_mxfp4_checkpoint
-from forerun.model.loader import ModelLoadError, load_model, load_model_config, resolve_model
+from forerun.model.loader import (
+    ModelLoadError,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model,
+)
 from forerun.model.quant.gguf_linear import GGUFLinear
 from tests.conftest import assert_all_blocks_free, tokens_sync_and_async
 from tests.paged_driver import PagedDriver
@@ -430,3 +436,43 @@ def test_two_ranks_with_and_without_expert_parallelism_give_one_process_tokens(t
         finally:
             llm.shutdown()
     assert runs["tp"] == runs["one"] and runs["ep"] == runs["one"]
+
+
+@pytest.mark.usefixtures("private_model_cache")
+def test_the_tokenizer_of_a_gguf_with_yarn_rope_keys_loads(tmp_path: Path) -> None:
+    """llama.cpp's converter writes gpt-oss's YaRN numbers as rope.scaling.* keys, which
+    transformers' GGUF config reader stumbles on; the vocabulary itself is all a tokenizer
+    needs: byte-level BPE with its merges, the special tokens whole."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    merges = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "Ġa n", "Ġan d"]
+    specials = ["<|start|>", "<|end|>"]
+    tokens = ([bytes_to_unicode()[b] for b in range(256)]
+              + ["".join(m.split(" ")) for m in merges] + specials)
+    path = tmp_path / "gpt-oss-vocab.gguf"
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(1)
+    w.add_context_length(131072)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_rope_scaling_yarn_beta_fast(32.0)
+    w.add_rope_scaling_yarn_beta_slow(1.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(specials)) + [3] * len(specials))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|start|>"))
+    w.add_eos_token_id(tokens.index("<|end|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = load_tokenizer(resolve_model(str(path)))
+    ids = tok.encode("<|start|>the and<|end|>", add_special_tokens=False)
+    assert ids == [tokens.index(t) for t in ("<|start|>", "t", "he", "Ġand", "<|end|>")]
+    assert tok.eos_token_id == tokens.index("<|end|>")
+    assert tok.decode(tok.encode("in the and!", add_special_tokens=False)) == "in the and!"

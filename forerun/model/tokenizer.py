@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from forerun.model.cache import GGUFCacheEntry
@@ -11,6 +12,8 @@ from forerun.model.source import ModelSource
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
@@ -24,7 +27,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
 
     try:
         if source.is_gguf:
-            tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+            tok = _gguf_tokenizer(source)
         else:
             tok = AutoTokenizer.from_pretrained(source.path)
     except ModelLoadError:
@@ -38,3 +41,18 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     if entry is not None:
         entry.save_tokenizer(tok)
     return tok
+
+
+def _gguf_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file: AutoTokenizer's (which reads the file's model config to
+    pick a tokenizer class), else the generic fast tokenizer built from the file's
+    ``tokenizer.ggml.*`` fields alone. transformers' config reader fails on some files whose
+    vocabulary is fine: every gpt-oss GGUF, on its ``rope.scaling.*`` numbers."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    except (TypeError, ValueError, KeyError) as exc:
+        logger.info("transformers could not read the model config of %s (%s); building its "
+                    "tokenizer from the file's vocabulary alone", source.name, exc)
+        return PreTrainedTokenizerFast.from_pretrained(source.path, gguf_file=source.gguf_file)
