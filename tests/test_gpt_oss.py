@@ -300,6 +300,35 @@ def test_a_gguf_with_mxfp4_experts_matches_transformers_on_its_values(
     assert err < 0.05, f"max logit error {err:.4f} of the largest logit"
 
 
+@pytest.mark.usefixtures("private_model_cache")
+def test_mxfp4_experts_beside_float_attention_run_in_the_one_call_stack(
+        tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As llama.cpp's converter writes gpt-oss (MXFP4 experts, the rest float), a layer holds
+    GGUF experts beside plain attention linears: the stack takes them as mixed linears and
+    gives the op-by-op path's logits and tokens, every step in one call."""
+    if cpu_kernels.kernel_library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    hf, _ = tiny
+    file = tmp_path / "gpt-oss-mxfp4.gguf"
+    _write_gguf(hf, file, mxfp4=True)
+    runs = {}
+    for tokens_env in ("0", "1000"):  # op by op, then the one-call stack
+        monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", tokens_env)
+        model = _load(file, "gguf")
+        calls: list[int] = []
+        stack_forward = model.small_batch.forward
+        model.small_batch.forward = (lambda *a, f=stack_forward, c=calls, **k:
+                                     c.append(1) or f(*a, **k))
+        with torch.inference_mode():
+            logits = PagedDriver(model).step([("a", PROMPT)])[0]
+            tokens = PagedDriver(model, seed=3).greedy("a", PROMPT, 12)
+        runs[tokens_env] = (logits, tokens, len(calls), model.small_batch.mode)
+    (want, want_tokens, op_calls, _), (got, tokens, calls, mode) = runs["0"], runs["1000"]
+    assert mode == "mixed" and op_calls == 0 and calls == 13  # the prompt and every decode
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+
+
 def test_openai_mxfp4_checkpoints_load_like_their_floats(tiny, tmp_path: Path) -> None:
     """The folder with each layer's experts as ``*_blocks`` / ``*_scales`` (OpenAI's
     checkpoint layout) loads the weights the dequantized folder holds."""

@@ -76,7 +76,7 @@ def test_int8_through_the_stack_equals_op_by_op(folder: Path, dtype: torch.dtype
     model = _load(folder, dtype)
     with torch.inference_mode():
         tokens, logits, batch = _run(model, 12)
-    assert model.small_batch.mode == "int8"
+    assert model.small_batch.mode == "mixed"
     assert len(calls) == 12 + 2, "the stack was not taken for every step"
     assert tokens == ref_tokens
     assert batch == ref_batch
@@ -137,5 +137,5 @@ def test_int8_engine_async_equals_sync_on_the_stack(tmp_path: Path,
                          for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:
             llm.shutdown()
-        assert len(steps) >= 15 and all(m == "int8" for m, _ in steps), steps
+        assert len(steps) >= 15 and all(m == "mixed" for m, _ in steps), steps
     assert out["on"] == out["off"]

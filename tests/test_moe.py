@@ -468,7 +468,7 @@ def test_int8_moe_engine_is_close_to_the_exact_one_and_async_equals_sync(
         got = PagedDriver(quant).step([("a", PROMPT)])[0]
         monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
         stacked = PagedDriver(quant).step([("a", PROMPT)])[0]
-        assert quant.small_batch.mode == "int8" and quant.small_batch.applies(
+        assert quant.small_batch.mode == "mixed" and quant.small_batch.applies(
             torch.zeros(len(PROMPT), COMMON["hidden_size"]))
         # The same int8 rows and row quantization; only the order of the weighted sums
         # differs.

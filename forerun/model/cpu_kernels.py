@@ -457,15 +457,16 @@ def decoder_stack_quantized(dtype: torch.dtype) -> ctypes._CFuncPtr:
 
 
 class LinearDesc(ctypes.Structure):
-    """``linear_t`` of decoder_stack.c: a linear of a plain (small matmul's form) or an
-    int8 kind (``LIN_INT8``: int8 rows, per-row scales and row sums), for the stack's
-    mixed linears and the MoE block's int8 experts."""
+    """``linear_t`` of decoder_stack.c: a linear of a plain (small matmul's form), an int8
+    (``LIN_INT8``: int8 rows, per-row scales and row sums) or a GGUF kind (``LIN_GGUF``: the
+    blocks' :class:`QWeightDesc`), for the stack's mixed linears and the MoE block's
+    experts among them."""
 
     _fields_ = [("kind", ctypes.c_int64), ("w", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("wsum", ctypes.c_void_p)]
 
 
-LIN_PLAIN, LIN_INT8 = 0, 1  # linear_t's kinds
+LIN_PLAIN, LIN_INT8, LIN_GGUF = 0, 1, 2  # linear_t's kinds
 
 
 def rowmajor_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None

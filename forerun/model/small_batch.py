@@ -23,12 +23,14 @@ place of the small matmul: the table's weight addresses are then the linears' bl
 descriptors, no copy is made, and a step reads each weight in its GGUF blocks.
 
 With ``quantization="int8"`` a layer holds :class:`Int8Linear` (o, gate/up, down) beside a
-plain q/k/v: the stack then takes a descriptor per linear (``linear_t`` of
-``decoder_stack.c``: the packed weight, or the int8 rows with their scales and row sums) and
-runs each with its own kernel, the int8 ones as ``Int8Linear.forward`` does op by op (the
-same row quantization, exact integer sums, the same rescale). A mixture of experts' int8
-experts are ``linear_t`` too, run by the MoE block (``csrc/moe_block.c``) over the same
-dispatch, so a decode step reads only the chosen experts' int8 rows. Plain experts are read
+plain q/k/v, and a GGUF file can hold some linears in blocks beside plain tensors (gpt-oss's
+MXFP4 experts beside bf16 attention): the stack then takes a descriptor per linear
+(``linear_t`` of ``decoder_stack.c``: the packed weight, the int8 rows with their scales and
+row sums, or the GGUF block descriptor) and runs each with its own kernel, the int8 ones as
+``Int8Linear.forward`` does op by op (the same row quantization, exact integer sums, the
+same rescale). A mixture of experts' int8 or GGUF experts are ``linear_t`` too, run by the
+MoE block (``csrc/moe_block.c``) over the same dispatch, so a decode step reads only the
+chosen experts' rows or blocks. Plain experts are read
 as they are stored (float32 rows, or bfloat16 rows by ``csrc/rowmajor_bf16.c``): no packed
 copy of them is made.
 """
@@ -168,9 +170,10 @@ class SmallBatchStack:
         self._even = all(d % 2 == 0 for d in (cfg.hidden_size, cfg.intermediate_size,
                                               cfg.num_attention_heads * cfg.head_dim))
         # Once pack() or applies() has seen the layers: "gguf" (every layer linear in GGUF
-        # blocks), "plain" (every one an nn.Linear), "int8" (Int8Linear beside plain ones).
+        # blocks), "plain" (every one an nn.Linear), "mixed" (Int8Linear or GGUFLinear
+        # beside plain ones).
         self.mode: str | None = None
-        # "int8": the table's linear_t, kept alive (its experts' are in _moe_kept).
+        # "mixed": the table's linear_t, kept alive (its experts' are in _moe_kept).
         self._descs: list[cpu_kernels.LinearDesc] = []
         self._default_tokens: dict[torch.dtype, int] = {}  # max_tokens' default per dtype
 
@@ -190,9 +193,9 @@ class SmallBatchStack:
 
     def _mode(self) -> str | None:
         """"gguf": every layer linear (and expert) is in GGUF blocks; "plain": every one is
-        a plain ``nn.Linear`` (and stacked float experts); "int8": linears that are
-        :class:`Int8Linear` or plain, and any experts int8; None: another mix, which the
-        stack cannot run."""
+        a plain ``nn.Linear`` (and stacked float experts); "mixed": linears of more than one
+        of those kinds or :class:`Int8Linear`, and any experts int8 or GGUF; None: another
+        mix, which the stack cannot run."""
         if not all(isinstance(layer.mlp, GatedMLP | FusedMoE)
                    for layer in self.model.model.layers):
             return None
@@ -203,11 +206,11 @@ class SmallBatchStack:
         kinds |= {"plain" if moe.quant_experts is None else "int8"
                   if isinstance(moe.quant_experts[0][0], Int8Linear) else "gguf"
                   for _, moe in self._moe_layers()}
-        if kinds <= {"int8", "plain"} and "int8" in kinds:
-            int8_experts = all(moe.quant_experts is not None for _, moe in self._moe_layers())
-            return "int8" if int8_experts else None
-        if None in kinds or len(kinds) > 1:
+        if None in kinds:
             return None
+        if len(kinds) > 1 or "int8" in kinds:
+            quant_experts = all(moe.quant_experts is not None for _, moe in self._moe_layers())
+            return "mixed" if quant_experts else None
         return kinds.pop() if kinds else "plain"
 
     def can_run(self, dtype: torch.dtype) -> bool:
@@ -266,9 +269,9 @@ class SmallBatchStack:
         # Before prepacking reorders the routers for oneDNN (their plain rows are read here).
         self._moe_entries = {i: self._moe_entry(moe) for i, moe in self._moe_layers()}
         linears: dict[str, cpu_kernels.SmallMatmulWeight] = {}
-        if self.mode in ("plain", "int8"):
+        if self.mode in ("plain", "mixed"):
             for key, module in self._layer_linears():
-                if not isinstance(module, Int8Linear):
+                if not isinstance(module, Int8Linear | GGUFLinear):
                     linears[key] = cpu_kernels.pack_small_matmul_weight(module.weight)
         if self.model.quant_head is None:
             head = self.model.lm_head
@@ -281,7 +284,7 @@ class SmallBatchStack:
         packed = [w for w in linears.values() if w.data.dtype == torch.bfloat16]
         owned: list[GGUFLinear | Int8Linear] = [
             m for _, m in self._layer_linears() if isinstance(m, GGUFLinear | Int8Linear)]
-        if self.mode == "gguf" and isinstance(self.model.quant_head, GGUFLinear):
+        if self.mode in ("gguf", "mixed") and isinstance(self.model.quant_head, GGUFLinear):
             owned.append(self.model.quant_head)
         # A MoE step reads a few experts of a few MiB each, chosen anew every token: in huge
         # pages each is one TLB entry or two, and the prefetchers run across its pages.
@@ -318,12 +321,11 @@ class SmallBatchStack:
         self.pack()
         assert self._linears is not None
         total = sum(w.data.numel() * w.data.element_size() for w in self._linears.values())
-        if self.mode == "gguf":
-            total += sum(raw.numel() for _, m in self._layer_linears()
-                         for raw in m.resident_tensors())
-        elif self.mode == "int8":  # the rows and scales (the row sums are read once each)
-            total += sum(m.weight_q.numel() + 4 * m.weight_scale.numel()
-                         for _, m in self._layer_linears() if isinstance(m, Int8Linear))
+        for _, m in self._layer_linears():
+            if isinstance(m, GGUFLinear):
+                total += sum(raw.numel() for raw in m.resident_tensors())
+            elif isinstance(m, Int8Linear):  # rows and scales (the row sums read once each)
+                total += m.weight_q.numel() + 4 * m.weight_scale.numel()
         head = self.model.quant_head
         if head is not None:
             total += sum(raw.numel() for raw in head.resident_tensors())
@@ -341,7 +343,7 @@ class SmallBatchStack:
             assert self._linears is not None
             if self.mode == "gguf":  # the GGUF linears' block descriptors
                 w = {k: ctypes.addressof(m.desc) for k, m in self._layer_linears()}
-            elif self.mode == "int8":  # a linear_t per linear
+            elif self.mode == "mixed":  # a linear_t per linear
                 self._descs = [self._linear_desc(k, m) for k, m in self._layer_linears()]
                 w = {k: ctypes.addressof(d)
                      for (k, _), d in zip(self._layer_linears(), self._descs, strict=True)}
@@ -378,8 +380,11 @@ class SmallBatchStack:
         return self._weights
 
     def _linear_desc(self, key: str, module: torch.nn.Module) -> cpu_kernels.LinearDesc:
-        """``linear_t`` of one layer linear: its int8 rows, scales and row sums, or the
-        packed copy :meth:`pack` made."""
+        """``linear_t`` of one layer linear: its int8 rows, scales and row sums, its GGUF
+        block descriptor, or the packed copy :meth:`pack` made."""
+        if isinstance(module, GGUFLinear):
+            return cpu_kernels.LinearDesc(kind=cpu_kernels.LIN_GGUF,
+                                          w=ctypes.addressof(module.desc))
         if isinstance(module, Int8Linear):
             return cpu_kernels.LinearDesc(kind=cpu_kernels.LIN_INT8,
                                           w=module.weight_q.data_ptr(),
@@ -396,10 +401,15 @@ class SmallBatchStack:
         :class:`cpu_kernels.MoeOpts` (gpt-oss; 0 for none)."""
         inputs = moe.c_inputs()
         assert inputs is not None, "_mode admits only experts the block takes"
-        _, router, experts, fields, keep = inputs
+        kind, router, experts, fields, keep = inputs
         # Int8 experts' rows stay where they are (not moved to huge pages), and GGUF ones
         # are read through their descriptors, which move with them: the addresses hold.
         self._moe_kept.append(inputs)
+        if self.mode == "mixed" and kind == "gguf":  # the mixed stack reads linear_t
+            descs = [cpu_kernels.LinearDesc(kind=cpu_kernels.LIN_GGUF, w=addr)
+                     for addr in experts.tolist()]
+            experts = torch.tensor([ctypes.addressof(d) for d in descs], dtype=torch.int64)
+            self._moe_kept.append((descs, experts))
         opts = 0
         if fields is not None:
             self._moe_opts.append(cpu_kernels.MoeOpts(*fields))
@@ -448,7 +458,7 @@ class SmallBatchStack:
         residual = torch.empty_like(x)
         final_norm = self.model.model.norm.weight
         stack = (cpu_kernels.decoder_stack_quantized if self.mode == "gguf"
-                 else cpu_kernels.decoder_stack_mixed if self.mode == "int8"
+                 else cpu_kernels.decoder_stack_mixed if self.mode == "mixed"
                  else cpu_kernels.decoder_stack)
         rc = stack(x.dtype)(
             table.shape[0], table.data_ptr(), _addr(final_norm), x.data_ptr(),

@@ -108,14 +108,17 @@ int int8_matmul_acc_vnni(const int8_t *, const int8_t *, const int32_t *, int32_
 
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
 
-/* ---- a stack of mixed linears (quantization="int8") -------------------------------------
- * int8 layers keep their fused q/k/v in the model's dtype (int8_linear.KEEP_FLOAT), so a
- * layer holds linears of two kinds; each weight "address" of such a stack is a linear_t
- * (small_batch.py's _LinearDesc), and linear_matmul_* runs the kernel of its kind. */
-enum { LIN_PLAIN = 0, LIN_INT8 = 1 };
+/* ---- a stack of mixed linears -----------------------------------------------------------
+ * int8 layers keep their fused q/k/v in the model's dtype (int8_linear.KEEP_FLOAT), and a
+ * GGUF file may hold some linears in blocks and others as plain tensors (gpt-oss's: MXFP4
+ * experts, bf16 attention), so a layer holds linears of two kinds; each weight "address" of
+ * such a stack is a linear_t (cpu_kernels.LinearDesc), and linear_matmul_* runs the kernel
+ * of its kind. */
+enum { LIN_PLAIN = 0, LIN_INT8 = 1, LIN_GGUF = 2 };
 typedef struct {
     int64_t kind;
-    const void *w;       /* LIN_PLAIN: small_matmul's form; LIN_INT8: int8 rows [n, k] */
+    const void *w;       /* LIN_PLAIN: small_matmul's form; LIN_INT8: int8 rows [n, k];
+                          * LIN_GGUF: the blocks' qweight_t descriptor */
     const float *scale;  /* LIN_INT8: per output channel [n] */
     const int32_t *wsum; /* LIN_INT8: each row's sum [n] (the VNNI body's), or NULL */
 } linear_t;
@@ -146,6 +149,7 @@ typedef struct {
         switch (l->kind) {                                                                      \
         case LIN_PLAIN: return small_matmul_##SFX(x, l->w, bias, y, m, n, k);                   \
         case LIN_INT8: return int8_linear_##SFX(x, l, bias, y, m, n, k);                        \
+        case LIN_GGUF: return gguf_matmul_##SFX(x, l->w, bias, y, m, n, k);                     \
         default: return -2;                                                                     \
         }                                                                                       \
     }
