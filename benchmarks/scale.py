@@ -78,9 +78,9 @@ from common import markdown_table, random_prompts, write_json
 from machine_load import check_quiet
 
 VOCAB = 49152
-GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4")
 HF_TYPES = ("bf16", "float32", "int8")  # forerun on the HF folder
-ALL_TYPES = ("bf16", "float32", "int8", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+ALL_TYPES = ("bf16", "float32", "int8", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4")
 ENGINES = ("forerun", "llama.cpp", "vllm")
 COLUMNS = ["shape", "engine, weights", "prompt tok/s", "decode tok/s", "ms/token",
            "floor ratio", "batch tok/s"]
@@ -92,8 +92,9 @@ SHARD_BYTES = 2 << 30
 @dataclass(frozen=True)
 class Shape:
     """A Llama 3.x architecture, or with ``experts`` a Qwen3-MoE one (every layer sparse:
-    ``experts`` of width ``moe_mlp``, ``top_k`` per token); the weights are random, the
-    vocabulary SmolLM2's."""
+    ``experts`` of width ``moe_mlp``, ``top_k`` per token), or with ``gpt_oss`` as well a
+    gpt-oss one (biases, sinks, sliding and full attention in turn; its experts' checkpoint
+    tensors MXFP4 as OpenAI ships them); the weights are random, the vocabulary SmolLM2's."""
 
     name: str
     label: str
@@ -109,6 +110,7 @@ class Shape:
     top_k: int = 0
     moe_mlp: int = 0
     head_dim_override: int = 0  # Qwen3's heads are wider than hidden / heads
+    gpt_oss: bool = False  # GptOssForCausalLM, its experts in OpenAI's MXFP4 tensors
 
     @property
     def head_dim(self) -> int:
@@ -116,6 +118,8 @@ class Shape:
 
     def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every tensor of the HF checkpoint, in order, with its shape."""
+        if self.gpt_oss:
+            return self._gpt_oss_matrices()
         h, hd, i = self.hidden, self.head_dim, self.mlp
         out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, h))]
         for n in range(self.layers):
@@ -144,6 +148,35 @@ class Shape:
             out.append(("lm_head.weight", (VOCAB, h)))
         return out
 
+    def _gpt_oss_matrices(self) -> list[tuple[str, tuple[int, ...]]]:
+        h, hd, e, i = self.hidden, self.head_dim, self.experts, self.moe_mlp
+        q, kv = self.heads * hd, self.kv_heads * hd
+        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, h))]
+        for n in range(self.layers):
+            p = f"model.layers.{n}."
+            out += [(p + "input_layernorm.weight", (h,)),
+                    (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.q_proj.bias", (q,)),
+                    (p + "self_attn.k_proj.weight", (kv, h)),
+                    (p + "self_attn.k_proj.bias", (kv,)),
+                    (p + "self_attn.v_proj.weight", (kv, h)),
+                    (p + "self_attn.v_proj.bias", (kv,)),
+                    (p + "self_attn.o_proj.weight", (h, q)), (p + "self_attn.o_proj.bias", (h,)),
+                    (p + "self_attn.sinks", (self.heads,)),
+                    (p + "post_attention_layernorm.weight", (h,)),
+                    (p + "mlp.router.weight", (e, h)), (p + "mlp.router.bias", (e,)),
+                    # MXFP4: 32 values a block, 16 bytes of nibbles and one exponent byte
+                    (p + "mlp.experts.gate_up_proj_blocks", (e, 2 * i, h // 32, 16)),
+                    (p + "mlp.experts.gate_up_proj_scales", (e, 2 * i, h // 32)),
+                    (p + "mlp.experts.gate_up_proj_bias", (e, 2 * i)),
+                    (p + "mlp.experts.down_proj_blocks", (e, h, i // 32, 16)),
+                    (p + "mlp.experts.down_proj_scales", (e, h, i // 32)),
+                    (p + "mlp.experts.down_proj_bias", (e, h))]
+        return out + [("model.norm.weight", (h,)), ("lm_head.weight", (VOCAB, h))]
+
+    @staticmethod
+    def element_bytes(name: str) -> int:
+        return 1 if name.endswith(("_blocks", "_scales")) else 2
+
     def num_params(self) -> int:
         return sum(math.prod(s) for _, s in self.matrices())
 
@@ -152,6 +185,9 @@ class Shape:
         and ``top_k`` experts) and the output head."""
         linear = sum(math.prod(s) for n, s in self.matrices()
                      if n.endswith("_proj.weight") and ".experts." not in n)
+        if self.gpt_oss:
+            return linear + self.layers * (self.experts * self.hidden + self.top_k * 3
+                                           * self.hidden * self.moe_mlp) + VOCAB * self.hidden
         if self.experts:
             linear += self.layers * (self.experts * self.hidden
                                      + self.top_k * 3 * self.hidden * self.moe_mlp)
@@ -161,7 +197,34 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
     def hf_config(self) -> dict[str, Any]:
-        """config.json as Meta's Llama 3.x (or Qwen's Qwen3-MoE) repositories write it."""
+        """config.json as Meta's Llama 3.x (or Qwen's Qwen3-MoE, OpenAI's gpt-oss)
+        repositories write it."""
+        if self.gpt_oss:
+            return {
+                "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "hidden_size": self.hidden, "intermediate_size": self.moe_mlp,
+                "num_local_experts": self.experts, "num_experts_per_tok": self.top_k,
+                "experts_per_token": self.top_k, "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim, "hidden_act": "silu", "attention_bias": True,
+                "attention_dropout": 0.0, "sliding_window": 128,
+                "layer_types": ["sliding_attention" if n % 2 == 0 else "full_attention"
+                                for n in range(self.layers)],
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "rope_theta": 150000.0,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 4096},
+                "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": VOCAB,
+                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                "torch_dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
+                "router_aux_loss_coef": 0.9, "output_router_logits": False,
+                "quantization_config": {
+                    "quant_method": "mxfp4",
+                    "modules_to_not_convert": ["model.layers.*.self_attn",
+                                               "model.layers.*.mlp.router",
+                                               "model.embed_tokens", "lm_head"]},
+            }
         if self.experts:
             return {
                 "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
@@ -218,6 +281,12 @@ SHAPES: dict[str, Shape] = {
     "30b-a3b-float": Shape("30b-a3b-float", "Qwen3-30B-A3B, 2 of 48 layers", 2048, 2, 32, 4,
                            6144, False, 1.0, ("bf16", "float32", "int8", "Q4_K_M"), experts=128,
                            top_k=8, moe_mlp=768, head_dim_override=128),
+    # gpt-oss-20b's layer (32 experts of 2880, 4 per token, 64 query heads of 64, 8 KV
+    # heads, biases and sinks), 12 of its 24 layers, experts in MXFP4 as OpenAI's
+    # checkpoint holds them; llama.cpp's converter writes them into the GGUF as they are.
+    "gpt-oss-20b": Shape("gpt-oss-20b", "gpt-oss-20b, 12 of 24 layers", 2880, 12, 64, 8, 2880,
+                         False, 1.0, ("MXFP4",), experts=32, top_k=4, moe_mlp=2880,
+                         head_dim_override=64, gpt_oss=True),
 }
 
 
@@ -292,7 +361,7 @@ def write_random_hf(shape: Shape, folder: Path, tokenizer_from: str | None, seed
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, dims in shape.matrices():
-        nbytes = 2 * math.prod(dims)
+        nbytes = shape.element_bytes(name) * math.prod(dims)
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -305,10 +374,16 @@ def write_random_hf(shape: Shape, folder: Path, tokenizer_from: str | None, seed
                  else "model.safetensors")
         tensors = {}
         for name, dims in shard:
-            t = torch.empty(dims, dtype=torch.bfloat16)
-            if len(dims) == 1:
-                t.fill_(1.0)  # RMSNorm weights, as transformers initialises them
+            if name.endswith("_blocks"):  # MXFP4 nibbles: any byte
+                t = torch.randint(0, 256, dims, dtype=torch.uint8, generator=gen)
+            elif name.endswith("_scales"):  # exponents 2^-8..2^-6: values of std ~0.02
+                t = torch.randint(119, 122, dims, dtype=torch.uint8, generator=gen)
+            elif len(dims) == 1 or name.endswith("_bias"):
+                t = torch.empty(dims, dtype=torch.bfloat16)
+                # RMSNorm weights 1, as transformers initialises them; biases and sinks 0
+                t.fill_(1.0 if name.endswith("norm.weight") else 0.0)
             else:
+                t = torch.empty(dims, dtype=torch.bfloat16)
                 torch.nn.init.normal_(t, mean=0.0, std=0.02, generator=gen)
             tensors[name] = t
             weight_map[name] = fname
@@ -316,7 +391,7 @@ def write_random_hf(shape: Shape, folder: Path, tokenizer_from: str | None, seed
         _log(f"  {shape.name}: wrote {fname} ({len(shard)} tensors)")
         del tensors
     if len(shards) > 1:
-        total = sum(2 * math.prod(d) for _, d in shape.matrices())
+        total = sum(shape.element_bytes(n) * math.prod(d) for n, d in shape.matrices())
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     tmp.rename(folder)
@@ -370,6 +445,12 @@ def build_shape(files: ShapeFiles, types: list[str], args: argparse.Namespace
     if args.llama_cpp_dir is None:
         raise SystemExit("building GGUF files needs --llama-cpp-dir")
     llama_dir = Path(args.llama_cpp_dir)
+    if shape.gpt_oss:  # the converter keeps the MXFP4 experts (the rest bf16): no quantizing
+        t0 = time.perf_counter()
+        convert_to_bf16(llama_dir, files.hf, files.gguf("MXFP4"), args.convert_python,
+                        files.root / "logs" / "convert-MXFP4.log")
+        timings["convert MXFP4"] = time.perf_counter() - t0
+        return timings
     bf16 = files.gguf("bf16")
     if not bf16.exists():
         t0 = time.perf_counter()
