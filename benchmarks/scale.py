@@ -4,7 +4,10 @@ Builds random-weight Llama models in the shapes of Llama-3.2-1B, Llama-3.2-3B an
 Llama-3.1-8B (offline: SmolLM2's tokenizer and 49,152-token vocabulary, ``rope_scaling``
 llama3, matrices ``normal_(std=0.02)``, bf16 safetensors), converts them with llama.cpp's own
 ``convert_hf_to_gguf.py`` (bf16) and ``llama-quantize``, and times every engine on the same
-weights. Per shape and weight type:
+weights. The mixture-of-experts shapes are Qwen3-30B-A3B's layer (12 or 2 of its 48
+layers) and gpt-oss-20b's (12 of 24: its experts written as OpenAI's MXFP4 checkpoint
+tensors, which the converter keeps in MXFP4, the rest bf16, so its one file is ``MXFP4``).
+Per shape and weight type:
 
 - **prompt tok/s**: one 512-token prompt. forerun and vLLM: ``512 / wall`` of a ``generate``
   with one output token (so their per-call overhead is in it); llama.cpp: ``llama-bench``'s
