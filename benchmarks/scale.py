@@ -54,6 +54,11 @@ builds only what is missing: for the 1B, 2.15 GB of safetensors, a 2.15 GB bf16 
 Q8_0 / Q4_0 / Q4_K_M / Q5_K_M / Q6_K files of 1.14 / 0.63 / 0.67 / 0.77 / 0.88 GB, made in
 about 5 minutes on 2 (busy) cores (weights 27 s, conversion 46 s, quantizing 3.5 min). The
 tools' and each forerun/vLLM worker's output go to ``--work-dir/<shape>/logs/``.
+``--no-amx`` times every engine on a CPU with AMX as it runs on one without (forerun with
+``FORERUN_CPU_AMX=0``, oneDNN under forerun and vLLM with
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, llama.cpp with ``--repack 0``): the paths of an
+AVX-512 CPU without AMX, though not its speed (llama.cpp's repacked AVX-512 kernels, and
+vLLM's own kernels that check for AMX themselves, are not what such a CPU would run).
 ``--shapes tiny`` (hidden 256, 2 layers) tests the pipeline; ``--prompt-len 64
 --decode-len 8 --batch 4 --repeats 1`` makes a quick smoke run of any shape.
 """
@@ -770,7 +775,9 @@ def _llama_cpp_row(files: ShapeFiles, t: str, args: argparse.Namespace) -> dict[
     _log(f"{shape.name}: llama.cpp {t}")
     llama_dir = Path(args.llama_cpp_dir)
     crashed: int | None = None
-    for repack in (True, False):
+    # --no-amx: llama.cpp's AMX kernels are among its repacked ones; without repacking it
+    # runs none (nor its repacked AVX-512 ones, which a CPU without AMX would run).
+    for repack in (False,) if args.no_amx else (True, False):
         try:
             bench = llama_bench(llama_dir, gguf, args, repack)
             batched = llama_batched(llama_dir, gguf, args, repack)
@@ -834,7 +841,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         note = (f" (--repack 0: signal {r['repack_crash_signal']} with it on)"
-                if r.get("repack_crash_signal") else "")
+                if r.get("repack_crash_signal") else " (--repack 0)"
+                if "--repack" in r.get("bench_cmd", []) else "")
         line = {"shape": r["shape"], "engine, weights": f"{r['engine']} {r['weights']}{note}"}
         if "error" in r:
             line["prompt tok/s"] = "failed: " + r["error"].strip().splitlines()[-1][:80]
@@ -901,6 +909,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="python for convert_hf_to_gguf.py (numpy, sentencepiece, torch, "
                          "transformers)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-amx", action="store_true",
+                    help="on a CPU with AMX, time every engine as on one without it: forerun "
+                         "with FORERUN_CPU_AMX=0, forerun's and vLLM's oneDNN with "
+                         "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, llama.cpp with --repack 0")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and streaming threads")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-len", type=int, default=128,
@@ -931,6 +943,8 @@ def main(argv: list[str] | None = None) -> None:
         result = WORKERS[args.worker](json.loads(args.spec))
         Path(args.result).write_text(json.dumps(result))
         return
+    if args.no_amx:  # the workers inherit these
+        os.environ.update(FORERUN_CPU_AMX="0", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
     start = check_quiet("start of the run", own_work=False)
     data: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v
                                      for k, v in vars(args).items()},

@@ -7,6 +7,7 @@ them per call).
 | ``CC`` | ``cc`` | the C compiler that builds the CPU kernels |
 | ``FORERUN_CPU_KERNELS`` | ``1`` | ``0``: the model's pure-torch path instead of the C kernels |
 | ``FORERUN_CPU_PREPACK`` | ``1`` | ``0``: plain linear weights (no oneDNN reorder) |
+| ``FORERUN_CPU_AMX`` | ``1`` | ``0``: forerun's C kernels use no AMX tiles and choose their paths as on a CPU without AMX (measuring that CPU's paths on one with it; torch's oneDNN follows ``ONEDNN_MAX_CPU_ISA``, e.g. ``AVX512_CORE_BF16``) |
 | ``FORERUN_SINGLE_OMP_TEAM`` | ``1`` | ``0``: leave the engine thread's torch thread count alone |
 | ``FORERUN_API_KEY`` | unset | ``forerun serve``'s API key when ``--api-key`` is not given (a flag shows in ``ps``) |
 | ``FORERUN_SMALL_BATCH_TOKENS`` | ``128`` in bfloat16 with AMX, else ``8`` | steps of at most this many tokens run every decoder layer in one C call; ``0`` turns that path off |
@@ -44,6 +45,10 @@ def _flag(name: str) -> bool:
 
 def cpu_kernels_enabled() -> bool:
     return _flag("FORERUN_CPU_KERNELS")
+
+
+def cpu_amx_enabled() -> bool:
+    return _flag("FORERUN_CPU_AMX")
 
 
 def cpu_prepack_enabled() -> bool:

@@ -180,6 +180,11 @@ def _load() -> ctypes.CDLL | None:
     lib.small_matmul_amx_bf16.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.sample_rows_f32.restype = ctypes.c_int
     lib.sample_rows_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+    lib.cpu_amx_set.restype = ctypes.c_int
+    lib.cpu_amx_set.argtypes = [ctypes.c_int]
+    if not envs.cpu_amx_enabled():
+        lib.cpu_amx_set(0)
+        logger.info("FORERUN_CPU_AMX=0: the C kernels run as on a CPU without AMX")
     return lib
 
 
@@ -483,6 +488,18 @@ def rowmajor_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     if rc != 0:
         raise MemoryError(f"rowmajor_matmul_bf16 failed ({rc})")
     return out
+
+
+def set_cpu_amx(enabled: bool) -> bool:
+    """Let every AMX body of the kernel library run where the CPU has AMX, or none of them
+    (the paths a CPU without AMX takes; ``FORERUN_CPU_AMX=0`` at load); returns the
+    previous setting (False where the library has no AMX bodies)."""
+    global _amx
+    lib = kernel_library()
+    assert lib is not None, "call supports() first"
+    previous = bool(lib.cpu_amx_set(int(enabled)))
+    _amx = None  # small_matmul_has_amx() asks again
+    return previous
 
 
 def set_rowmajor_amx(enabled: bool) -> bool:

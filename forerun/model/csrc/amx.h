@@ -16,9 +16,14 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_t;
 
+/* Set by cpu_amx_set (small_matmul.c; FORERUN_CPU_AMX=0): every AMX body then declines, as
+ * on a CPU without AMX. Weak, so that every file including this shares the one variable. */
+__attribute__((weak)) volatile int forerun_amx_off = 0;
+
 /* Linux hands out the tile state only on request (once per process; idempotent). */
 static inline int amx_permitted(void) {
     static volatile int state; /* 0 unknown, 1 granted, -1 refused */
+    if (forerun_amx_off) return 0;
     if (state == 0)
         state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                         18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;

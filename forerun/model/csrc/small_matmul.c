@@ -288,6 +288,14 @@ int small_matmul_bf16_is_fast(void) {
 #define AMX_PF 2
 #include "amx.h"
 
+/* Let every AMX body of the library run (on != 0, where the CPU has AMX) or none, as on a
+ * CPU without it; returns the previous setting. */
+int cpu_amx_set(int on) {
+    const int prev = !forerun_amx_off;
+    forerun_amx_off = on == 0;
+    return prev;
+}
+
 /* Fewer rows: the loop above reads each weight once and is faster (1-4 rows: 5.5 against
  * 6.4-6.8 ms for SmolLM2's layer weights on a 2-core CPU; 8 rows: 9.5 against 7.3). */
 #define AMX_MIN_M 8
@@ -342,6 +350,11 @@ int small_matmul_amx_bf16(const uint16_t *x, const uint16_t *w_packed, const uin
     return 0;
 }
 #else
+int cpu_amx_set(int on) { /* no AMX bodies built */
+    (void)on;
+    return 0;
+}
+
 #define AMX_MIN_M INT64_MAX
 int small_matmul_amx_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_t *bias,
                           uint16_t *y, int64_t m, int64_t n, int64_t k) {
