@@ -43,16 +43,13 @@ static inline void amx_configure_full(void) {
 }
 
 #if defined(__AMX_BF16__)
-/* 16 rows of bfloat16 x from x0 (32 where rows2) against one or two runs of k / 32 B tiles
- * (b1 NULL: one), each tile 16 lines of 64 bytes: line j the value pair 2j, 2j + 1 of 16
- * weight rows. x's rows are k values apart, or, where a_tiled, x is held as its A tiles
- * (per 16 rows, k / 32 runs of 16 x 32 values, contiguous). The float32 sums are stored as
- * 16x16 tiles: c[0] and c[1] the first 16 rows against b0 and b1, c[2] and c[3] the next 16. */
-static inline __attribute__((always_inline)) void amx_bf16_pass_a(
-    const uint16_t *x0, int64_t k, int a_tiled, const uint16_t *b0, const uint16_t *b1,
-    int rows2, float c[4][256]) {
+/* 16 rows of bfloat16 x from x0 (32 where rows2; rows k values apart) against one or two
+ * runs of k / 32 B tiles (b1 NULL: one), each tile 16 lines of 64 bytes: line j the value
+ * pair 2j, 2j + 1 of 16 weight rows. The float32 sums are stored as 16x16 tiles: c[0] and
+ * c[1] the first 16 rows against b0 and b1, c[2] and c[3] the next 16. */
+static inline void amx_bf16_pass(const uint16_t *x0, int64_t k, const uint16_t *b0,
+                                 const uint16_t *b1, int rows2, float c[4][256]) {
     const uint16_t *x1 = x0 + 16 * k;
-    const int64_t a_step = a_tiled ? 512 : 32, a_pitch = a_tiled ? 64 : k * 2;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -64,7 +61,7 @@ static inline __attribute__((always_inline)) void amx_bf16_pass_a(
             if (b1) _mm_prefetch((const char *)(b1 + (kb + AMX_PF) * 512 + 32 * i), _MM_HINT_T0);
         }
 #endif
-        _tile_loadd(4, x0 + kb * a_step, a_pitch);
+        _tile_loadd(4, x0 + kb * 32, k * 2);
         _tile_loadd(6, b0 + kb * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (b1) {
@@ -72,7 +69,7 @@ static inline __attribute__((always_inline)) void amx_bf16_pass_a(
             _tile_dpbf16ps(1, 4, 7);
         }
         if (rows2) {
-            _tile_loadd(5, x1 + kb * a_step, a_pitch);
+            _tile_loadd(5, x1 + kb * 32, k * 2);
             _tile_dpbf16ps(2, 5, 6);
             if (b1) _tile_dpbf16ps(3, 5, 7);
         }
@@ -83,11 +80,6 @@ static inline __attribute__((always_inline)) void amx_bf16_pass_a(
         _tile_stored(2, c[2], 64);
         if (b1) _tile_stored(3, c[3], 64);
     }
-}
-
-static inline void amx_bf16_pass(const uint16_t *x0, int64_t k, const uint16_t *b0,
-                                 const uint16_t *b1, int rows2, float c[4][256]) {
-    amx_bf16_pass_a(x0, k, 0, b0, b1, rows2, c);
 }
 #endif
 #endif

@@ -195,16 +195,18 @@ static void store_c(const float *c, int64_t ldc, void *y, int y_bf16, int64_t ld
     }
 }
 
-static uint16_t *group_scratch(size_t values) {
-    static __thread uint16_t *buf = NULL;
-    static __thread size_t cap = 0;
-    if (values > cap) {
-        free(buf);
-        cap = values;
-        buf = aligned_alloc(64, sizeof(uint16_t) * cap);
-        if (!buf) cap = 0;
+/* This thread's scratch slot (0: the dequantized tiles, 1: the float32 sums between k
+ * chunks), kept between calls and grown to at least bytes. */
+static void *thread_scratch(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        cap[slot] = (bytes + 63) & ~(size_t)63;
+        buf[slot] = aligned_alloc(64, cap[slot]);
+        if (!buf[slot]) cap[slot] = 0;
     }
-    return buf;
+    return buf[slot];
 }
 
 /* kcs 32-value steps of the A tiles from x0 (x held as A tiles; x0 + 16 xk its next 16 rows,
@@ -255,18 +257,6 @@ static inline void amx_chunk(const uint16_t *x0, int64_t xk, int64_t kcs, const 
  * float32 buffer of the panel's width. */
 #define PANEL_ROWS 256
 #define PANEL_BYTES (1024 << 10)
-
-static float *acc_scratch(size_t values) {
-    static __thread float *buf = NULL;
-    static __thread size_t cap = 0;
-    if (values > cap) {
-        free(buf);
-        cap = values;
-        buf = aligned_alloc(64, sizeof(float) * cap);
-        if (!buf) cap = 0;
-    }
-    return buf;
-}
 
 int quant_matmul_amx(const uint16_t *x, const qweight_t *w, void *y, int y_bf16,
                      const void *bias, int64_t ldy, int64_t m, int64_t k) {
@@ -320,8 +310,8 @@ int quant_matmul_amx(const uint16_t *x, const qweight_t *w, void *y, int y_bf16,
     {
         amx_configure_full();
         float c[32 * 32] __attribute__((aligned(64)));
-        uint16_t *bt = group_scratch((size_t)(pgroups * GR * kc));
-        float *acc = nchunks > 1 ? acc_scratch((size_t)(mp * ldacc)) : c;
+        uint16_t *bt = thread_scratch(0, sizeof(uint16_t) * (size_t)(pgroups * GR * kc));
+        float *acc = nchunks > 1 ? thread_scratch(1, sizeof(float) * (size_t)(mp * ldacc)) : c;
         if (!bt || !acc) {
 #pragma omp atomic write
             failed = 1;
