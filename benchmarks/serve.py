@@ -16,7 +16,9 @@ sampling parameters sent (the servers' default, temperature 1.0); concurrencies 
 ``max(8, 2 * concurrency)`` prompts at each unless ``--num-prompts`` is given. Its tokenizer
 is an HF folder: ``--tokenizer``, else ``--vllm-model``. Every server serves the model under
 one name (``--served-model-name SmolLM2-135M-Instruct``), so either client can address
-either server. ``--servers`` picks a subset of forerun-on, forerun-off and vllm; vllm needs
+either server. ``--servers`` picks a subset of forerun-on, forerun-off, forerun-gguf (async
+on, ``--quantization gguf``: the default model's own Q4_1/Q8_0 blocks, as llama.cpp computes
+with them, where the other forerun rows dequantize them to ``--dtype``) and vllm; vllm needs
 ``--vllm-python`` and ``--vllm-model``. With vLLM's server in the run, the forerun/vLLM ratio
 of output tok/s is printed per concurrency. ``--rounds N`` runs the whole sequence N times,
 the servers in turn, and takes the ratios from medians: one round runs every concurrency of
@@ -48,7 +50,7 @@ from forerun.bench.serve import wait_until_healthy
 MODEL_NAME = "SmolLM2-135M-Instruct"
 VLLM_CLIENT = Path(__file__).resolve().parent / "vllm_bench_client.py"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-SERVER_KEYS = ("forerun-on", "forerun-off", "vllm")
+SERVER_KEYS = ("forerun-on", "forerun-off", "forerun-gguf", "vllm")
 ROW_KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
             "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
             "failed")
@@ -130,6 +132,11 @@ def server_commands(args: argparse.Namespace
                 [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype,
                  "--async-scheduling", mode, "--max-model-len", "2048",
                  "--served-model-name", MODEL_NAME, *shlex.split(args.forerun_args)], None)
+    if "forerun-gguf" in args.servers:
+        servers["forerun gguf"] = (
+            [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype,
+             "--async-scheduling", "on", "--quantization", "gguf", "--max-model-len", "2048",
+             "--served-model-name", MODEL_NAME, *shlex.split(args.forerun_args)], None)
     if "vllm" in args.servers and args.vllm_python and args.vllm_model:
         servers["vLLM CPU (sync)"] = (
             [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",

@@ -1,4 +1,5 @@
-"""Pre-reordered (oneDNN) linear weights give bit-identical bf16 results to ``F.linear``."""
+"""Pre-reordered (oneDNN) linear weights give bit-identical bf16 results to ``F.linear``, and
+float32 results within float32 rounding of a float64 reference."""
 
 from __future__ import annotations
 
@@ -43,7 +44,24 @@ def test_prepack_linears_replaces_every_linear_and_nothing_else() -> None:
     assert nn.Linear not in kinds and kinds.count(PackedLinear) == 2 and nn.LayerNorm in kinds
 
 
-def test_prepack_is_not_offered_for_float32_or_other_devices() -> None:
-    # float32 keeps the plain path: its results must stay comparable to transformers.
-    assert not prepack_supported(torch.float32, CPU)
+@pytest.mark.skipif(not prepack_supported(torch.float32, CPU),
+                    reason="no oneDNN float32 linear on this CPU")
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_float32_packed_linear_matches_a_float64_reference(rows: int) -> None:
+    # oneDNN sums in its own order, so the oracle is float64, not F.linear's bits; the bound
+    # is float32 rounding over 640-term sums, far below any real weight or activation change.
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 640, generator=gen)
+    b = torch.randn(200, generator=gen)
+    x = torch.randn(rows, 640, generator=gen)
+    want = F.linear(x.double(), w.double(), b.double())
+    got = PackedLinear(w, b)(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert (got.double() - want).abs().max() <= 4 * (F.linear(x, w, b).double() - want).abs().max()
+
+
+def test_prepack_is_not_offered_for_other_dtypes_or_devices() -> None:
+    assert not prepack_supported(torch.float16, CPU)
     assert not prepack_supported(torch.bfloat16, torch.device("meta"))
+    assert not prepack_supported(torch.float32, torch.device("meta"))

@@ -5,8 +5,12 @@ its blocked layout on every call. For decode-sized inputs (a few to a few dozen 
 repacking is a large part of the matmul: measured on the 2-core machine, a pre-reordered
 bf16 weight is 1.1-1.2x faster at 64 rows and 1.5-1.8x faster at 1-7 rows, the shapes of
 low-concurrency serving. The reorder costs memory only while loading (the plain weight is
-dropped afterwards) and changes no result in bf16. (The small-batch path keeps a copy of its
-own, packed for its kernel: ``forerun/model/small_batch.py``.)
+dropped afterwards) and changes no result in bf16. float32 weights are reordered too: there
+oneDNN's blocked kernels sum in another order than the plain ``F.linear`` (results differ in
+the last bits, as the small-batch kernel's do), and on a CPU without AVX-512, where float32
+is the default dtype, they are 1.2-2.7x faster at 8-128 rows (the README's benchmark notes
+the CPU). (The small-batch path keeps a copy of its own, packed for its kernel:
+``forerun/model/small_batch.py``.)
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ class PackedLinear(nn.Module):
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """True where pre-reordered linears are available and give the plain linear's result."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    """True where pre-reordered linears are available and give the plain linear's result
+    (bfloat16: bit for bit; float32: to within float32 rounding)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not envs.cpu_prepack_enabled():
         logger.info("FORERUN_CPU_PREPACK=0: linear weights stay in their plain layout")
@@ -70,7 +75,10 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(48, 32, generator=gen).to(dtype)
         x = torch.randn(5, 32, generator=gen).to(dtype)
-        ok = torch.equal(_packed_matmul(x, _reorder(w), None, 48), torch.nn.functional.linear(x, w))
+        got = _packed_matmul(x, _reorder(w), None, 48)
+        want = torch.nn.functional.linear(x, w)
+        ok = (torch.equal(got, want) if dtype == torch.bfloat16
+              else torch.allclose(got, want, rtol=1e-5, atol=1e-6))
     except (RuntimeError, AttributeError) as exc:  # op missing or CPU lacks bf16 support
         logger.info("pre-reordered linears unavailable (%s)", exc)
         return False
