@@ -65,3 +65,5 @@ def test_prepack_is_not_offered_for_other_dtypes_or_devices() -> None:
     assert not prepack_supported(torch.float16, CPU)
     assert not prepack_supported(torch.bfloat16, torch.device("meta"))
     assert not prepack_supported(torch.float32, torch.device("meta"))
+    assert not prepack_supported(torch.float32, CPU, quantization="int8")
+    assert not prepack_supported(torch.float32, CPU, quantization="gguf")

@@ -153,7 +153,7 @@ def load_model(
     if quantization == "int8":
         logger.info("quantization=int8: %d linear weights quantized per output channel",
                     apply_int8(model))
-    if prepack_supported(dtype, device):
+    if prepack_supported(dtype, device, quantization):
         logger.info("%d linear weights reordered for oneDNN", model.prepack())
     model.resident_weight_bytes = resident_weight_bytes(model)
     logger.info(
