@@ -126,17 +126,16 @@ def bench_vllm(port: int, concurrency: int, n: int, args: argparse.Namespace) ->
 def server_commands(args: argparse.Namespace
                     ) -> dict[str, tuple[list[str], dict[str, str] | None]]:
     servers: dict[str, tuple[list[str], dict[str, str] | None]] = {}
-    for mode in ("on", "off"):
-        if f"forerun-{mode}" in args.servers:
-            servers[f"forerun async={mode}"] = (
-                [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype,
-                 "--async-scheduling", mode, "--max-model-len", "2048",
-                 "--served-model-name", MODEL_NAME, *shlex.split(args.forerun_args)], None)
-    if "forerun-gguf" in args.servers:
-        servers["forerun gguf"] = (
-            [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype,
-             "--async-scheduling", "on", "--quantization", "gguf", "--max-model-len", "2048",
-             "--served-model-name", MODEL_NAME, *shlex.split(args.forerun_args)], None)
+    forerun = {"forerun-on": ("forerun async=on", ["--async-scheduling", "on"]),
+               "forerun-off": ("forerun async=off", ["--async-scheduling", "off"]),
+               "forerun-gguf": ("forerun gguf", ["--async-scheduling", "on",
+                                                 "--quantization", "gguf"])}
+    for key, (name, flags) in forerun.items():
+        if key in args.servers:
+            servers[name] = (
+                [sys.executable, "-m", "forerun.cli", "serve", "--dtype", args.dtype, *flags,
+                 "--max-model-len", "2048", "--served-model-name", MODEL_NAME,
+                 *shlex.split(args.forerun_args)], None)
     if "vllm" in args.servers and args.vllm_python and args.vllm_model:
         servers["vLLM CPU (sync)"] = (
             [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",

@@ -33,7 +33,7 @@ INLINE float hsum8(__m256 v) {
  * loaded both for every product: at 8 rows of x that ran at 4 GB/s of weight on 2 cores,
  * where the matrix streams at 15-35. Three weight rows (12 sums, 3 weight vectors and one
  * of x: the 16 AVX2 registers) rather than two: 1.05-1.2x at 1-8 rows of x on a 2-core
- * Zen 3, the same sums in the same order. */
+ * AVX2 CPU, the same sums in the same order. */
 INLINE void tile_f32(const float *x, const float *w, int64_t k, const int mi, const int ri,
                      float acc[XROWS][WROWS], int r0) {
     __m256 a[XROWS][3];
