@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from forerun.config import EngineConfig
 from forerun.distributed.pipeline_parallel import stage_layers
 from forerun.engine.async_llm import AsyncLLM
 from tests.conftest import assert_all_blocks_free
-from tests.server_harness import child_pids, engine_pid, pid_alive, start_server
+from tests.server_harness import ServerHandle, child_pids, engine_pid, pid_alive, start_server
 from tests.test_scheduler_properties import assert_lossless_prefixes, workloads
 from tests.test_scheduler_properties import run as run_workload
 from tests.test_tensor_parallel import (
@@ -166,16 +167,34 @@ def test_default_model_in_two_stages_gives_the_same_tokens(llm_cache):
     assert_default_model_split_like_one_process(llm_cache, pipeline_parallel_size=2)
 
 
+FAULT_TEST = "test_a_stage_that_dies_or_hangs_mid_stream_fails_every_client_and_every_process_exits"
+
+
+@pytest.fixture(scope="module")
+def fault_servers(tiny_dir: Path, request: pytest.FixtureRequest
+                  ) -> Iterator[dict[str, ServerHandle]]:
+    """One `forerun serve -pp 2` per selected fault case, all started when the first case
+    runs: their interpreters' imports and stage starts overlap instead of queueing. Each
+    case breaks its own server."""
+    faults = {item.callspec.params["fault"] for item in request.session.items
+              if item.module is request.module and item.originalname == FAULT_TEST}
+    handles = {fault: start_server("--model", str(tiny_dir), "--max-model-len", "256",
+                                   "--pipeline-parallel-size", "2", fresh=True,
+                                   env={"FORERUN_COLLECTIVE_TIMEOUT_S": "3"})
+               for fault in sorted(faults)}
+    yield handles
+    for handle in handles.values():
+        handle.stop()
+
+
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_a_stage_that_dies_or_hangs_mid_stream_fails_every_client_and_every_process_exits(
-        tiny_dir, fault):
+        fault_servers, fault):
     """`forerun serve -pp 2`: four clients stream; the last stage is stopped (SIGSTOP) as
     soon as the first token arrives, so no request can finish, then killed or left hung
     (the collective timeout is 3 s here). Every client gets an error, the server exits 1,
     and no process of it is left."""
-    server = start_server("--model", str(tiny_dir), "--max-model-len", "256",
-                          "--pipeline-parallel-size", "2", fresh=True,
-                          env={"FORERUN_COLLECTIVE_TIMEOUT_S": "3"})
+    server = fault_servers[fault]
     server.wait_healthy()
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
                            timeout=120)
