@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,57 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return python, env
 
 
-def test_the_wheel_compiles_every_kernel_file_it_ships(
-        installed: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+class Started:
+    """A command of the installed wheel, started now; :meth:`result` waits for it."""
+
+    def __init__(self, cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        try:
+            out, err = self.proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        assert self.proc.returncode == 0, (self.cmd, out[-2000:], err[-4000:])
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def runs(installed: tuple[Path, dict[str, str]], request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Started]]:
+    """The selected tests' commands of the installed wheel, all started together, each from
+    its own empty folder: the empty cache's compile (gcc on every core for a while) and the
+    generate run (a torch import and a model load, one core) overlap instead of queueing.
+    The generate run reads the user's own cache (the checkout's converted model and
+    kernels, keyed by the GGUF file and the kernel sources), not the empty one."""
     python, env = installed
-    out = _run([str(python), "-c", PROBE], tmp_path, env).stdout.splitlines()
+    user_env = {**env, "FORERUN_CACHE_DIR": os.environ.get("FORERUN_CACHE_DIR", "")}
+    if not user_env["FORERUN_CACHE_DIR"]:
+        del user_env["FORERUN_CACHE_DIR"]
+    commands = {
+        "test_the_wheel_compiles_every_kernel_file_it_ships": ([str(python), "-c", PROBE], env),
+        "test_the_wheel_generates_the_same_text_as_the_checkout": (
+            [str(python), "-m", "forerun.cli", *GENERATE], user_env),
+    }
+    selected = {item.originalname for item in request.session.items
+                if item.module is request.module}
+    started = {name: Started(cmd, tmp_path_factory.mktemp("run"), cmd_env)
+               for name, (cmd, cmd_env) in commands.items() if name in selected}
+    yield started
+    for run in started.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+
+
+def test_the_wheel_compiles_every_kernel_file_it_ships(
+        installed: tuple[Path, dict[str, str]], runs: dict[str, Started],
+        request: pytest.FixtureRequest) -> None:
+    python, env = installed
+    out = runs[request.node.originalname].result().stdout.splitlines()
     site = Path(out[0]).resolve()
     assert ROOT not in site.parents, f"imported the checkout, not the wheel: {site}"
     assert out[1] == "kernels True", out
@@ -87,16 +135,11 @@ def test_the_wheel_ships_the_web_page(installed: tuple[Path, dict[str, str]],
 
 @pytest.mark.slow
 def test_the_wheel_generates_the_same_text_as_the_checkout(
-        installed: tuple[Path, dict[str, str]], tmp_path: Path, llm_cache: Any) -> None:
+        runs: dict[str, Started], request: pytest.FixtureRequest, llm_cache: Any) -> None:
     """The checkout's text from the session's in-process engine (float32, greedy: the same
-    tokens as the checkout's CLI, which tests/test_cli.py pins to it)."""
-    python, env = installed
-    # The user's own cache (the checkout's converted model and kernels, keyed by the GGUF
-    # file and the kernel sources): the empty cache's compile is the test above's.
-    env = {**env, "FORERUN_CACHE_DIR": os.environ.get("FORERUN_CACHE_DIR", "")}
-    if not env["FORERUN_CACHE_DIR"]:
-        del env["FORERUN_CACHE_DIR"]
-    wheel = _run([str(python), "-m", "forerun.cli", *GENERATE], tmp_path, env)
+    tokens as the checkout's CLI, which tests/test_cli.py pins to it). The wheel's run
+    uses the user's own cache: the empty cache's compile is the test above's."""
+    wheel = runs[request.node.originalname].result()
     checkout = llm_cache().generate([GENERATE[1]], SamplingParams(max_tokens=10, temperature=0),
                                     use_tqdm=False)[0].outputs[0].text
     assert checkout.strip() and wheel.stdout == checkout + "\n"
