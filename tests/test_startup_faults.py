@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -104,13 +105,50 @@ llm.shutdown()
 """
 
 
-def test_a_two_rank_engine_starts_from_any_kind_of_main(tiny_dir, want, tmp_path):
-    """Spawned ranks never re-run the parent's ``__main__``: there is no file to re-run for
-    stdin and IPython, and a file without a guard would start engines in its ranks. They
-    run at once (their interpreters' imports overlap instead of queueing). ``python -c``
-    is not among them: its ``__main__`` has no file, which spawn handles by itself."""
+class Script:
+    """``cmd`` started now with ``stdin`` written to it, its output in files;
+    :meth:`tokens` waits for it."""
+
+    def __init__(self, cmd: list[str], stdin: str | None, folder: Path) -> None:
+        self.out = (folder / "stdout").open("w+", encoding="utf-8")
+        self.err = (folder / "stderr").open("w+", encoding="utf-8")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self.out,
+                                     stderr=self.err, text=True, cwd=folder,
+                                     env=script_env())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(stdin or "")
+        self.proc.stdin.close()
+
+    def tokens(self, timeout: float) -> list[int]:
+        """The token ids it printed after exiting 0."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        out, err = texts
+        assert self.proc.returncode == 0, err[-4000:]
+        lines = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
+        assert lines, out[-2000:] + err[-2000:]
+        return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def script_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("FORERUN_RANK_FAULT", None)
+    return env
+
+
+def script_kinds(tiny_dir: Path, folder: Path) -> dict[str, tuple[list[str], str | None]]:
+    """The kinds of ``__main__`` a two-rank engine starts from: command and stdin."""
     script = SCRIPT.format(kwargs=repr(engine_kwargs(tiny_dir)), prompt=PROMPT)
-    path = tmp_path / "no_guard.py"
+    path = folder / "no_guard.py"
     path.write_text(script)
     kinds: dict[str, tuple[list[str], str | None]] = {
         "stdin": ([sys.executable, "-"], script),
@@ -119,19 +157,46 @@ def test_a_two_rank_engine_starts_from_any_kind_of_main(tiny_dir, want, tmp_path
     if importlib.util.find_spec("IPython") is not None:
         kinds["ipython"] = ([sys.executable, "-m", "IPython", "--no-banner",
                              "--colors=NoColor", "-c", script], None)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("FORERUN_RANK_FAULT", None)
-    procs = {how: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
-             for how, (cmd, _) in kinds.items()}
-    for how, proc in procs.items():
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def scripts(tiny_dir: Path, request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Script]]:
+    """The interpreters of the selected tests below, by kind of ``__main__`` (``core``: the
+    engine-core script of the last), all started when the first of them runs: their
+    imports overlap instead of queueing."""
+    selected = {item.originalname for item in request.session.items
+                if item.module is request.module}
+    folder = tmp_path_factory.mktemp("scripts")
+    todo: dict[str, tuple[list[str], str | None]] = {}
+    if "test_a_two_rank_engine_starts_from_any_kind_of_main" in selected:
+        todo.update(script_kinds(tiny_dir, folder))
+    if "test_the_engine_core_process_starts_from_a_script_on_stdin" in selected:
+        todo["core"] = ([sys.executable, "-"],
+                        CORE_SCRIPT.format(kwargs=repr(engine_kwargs(tiny_dir)), prompt=PROMPT))
+    started = {}
+    for how, (cmd, stdin) in todo.items():
+        (folder / how).mkdir()
+        started[how] = Script(cmd, stdin, folder / how)
+    yield started
+    for script in started.values():
+        if script.proc.poll() is None:
+            script.proc.kill()
+        script.proc.wait()
+
+
+def test_a_two_rank_engine_starts_from_any_kind_of_main(tiny_dir, want, scripts):
+    """Spawned ranks never re-run the parent's ``__main__``: there is no file to re-run for
+    stdin and IPython, and a file without a guard would start engines in its ranks. They
+    run at once (their interpreters' imports overlap instead of queueing). ``python -c``
+    is not among them: its ``__main__`` has no file, which spawn handles by itself."""
+    kinds = [how for how in scripts if how != "core"]
+    assert kinds[:2] == ["stdin", "unguarded-file"]
+    for how in kinds:
         # Generous: eight interpreters importing torch on a shared 2-core machine. A rank
         # that could not start would fail the run within seconds (the tests below).
-        out, err = proc.communicate(kinds[how][1], timeout=400)
-        assert proc.returncode == 0, (how, err[-4000:])
-        lines = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
-        assert lines, (how, out[-2000:] + err[-2000:])
-        assert json.loads(lines[-1].split(" ", 1)[1]) == want, how
+        assert scripts[how].tokens(timeout=400) == want, how
 
 
 CORE_SCRIPT = """
@@ -155,15 +220,10 @@ asyncio.run(main())
 """
 
 
-def test_the_engine_core_process_starts_from_a_script_on_stdin(tiny_dir, want, tmp_path):
-    """``forerun serve``'s engine-core process is spawned the same way as the ranks."""
-    script = CORE_SCRIPT.format(kwargs=repr(engine_kwargs(tiny_dir)), prompt=PROMPT)
-    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True,
-                          text=True, timeout=240, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
-    assert lines and json.loads(lines[-1].split(" ", 1)[1]) == want, done.stderr[-2000:]
+def test_the_engine_core_process_starts_from_a_script_on_stdin(tiny_dir, want, scripts):
+    """``forerun serve``'s engine-core process is spawned the same way as the ranks (its
+    script started beside the test above's)."""
+    assert scripts["core"].tokens(timeout=400) == want
 
 
 def test_a_rank_killed_at_the_rendezvous_ends_the_start_naming_it(tiny_dir):
