@@ -75,7 +75,8 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
                          tool_config=ToolCallConfig(server.enable_auto_tool_choice,
                                                     server.tool_call_parser),
                          chat_template=server.chat_template,
-                         disable_any_whitespace=server.structured_outputs_disable_any_whitespace)
+                         disable_any_whitespace=server.structured_outputs_disable_any_whitespace,
+                         reasoning_parser=server.reasoning_parser)
     created = now_s()
     limit = server.max_request_body_bytes
 

@@ -89,6 +89,10 @@ class ToolCall(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | None
+    # With --reasoning-parser only (UNSET fields are never encoded): vLLM's current name
+    # and the one it had before, which clients still read; both hold the same text.
+    reasoning: str | None | msgspec.UnsetType = UNSET
+    reasoning_content: str | None | msgspec.UnsetType = UNSET
     # OpenAI's message fields forerun never fills: null, so a parsed message equals it.
     refusal: None = None
     annotations: None = None
@@ -159,6 +163,8 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | msgspec.UnsetType = UNSET
     content: str | msgspec.UnsetType = UNSET
+    reasoning: str | msgspec.UnsetType = UNSET  # both names, as on ChatMessage
+    reasoning_content: str | msgspec.UnsetType = UNSET
     tool_calls: list[DeltaToolCall] | msgspec.UnsetType = UNSET
 
 

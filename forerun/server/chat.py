@@ -34,6 +34,12 @@ from forerun.server.edge import off_loop_if_big, unless_disconnected
 from forerun.server.errors import APIError, engine_dead_error, timeout_error
 from forerun.server.logprobs import chat_logprobs
 from forerun.server.protocol import ChatCompletionRequest
+from forerun.server.reasoning import (
+    ChoiceReasoningStream,
+    ReasoningPlan,
+    plan_reasoning,
+    put_reasoning,
+)
 from forerun.server.serving import (
     ServingContext,
     check_model,
@@ -68,11 +74,14 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     plan = plan_tools(ctx.tool_config, body, ctx.engine.tokenizer)
     ids = await off_loop_if_big(body_bytes, chat_prompt_ids, ctx, body, plan)
     body = plan.adjust_request(body)
+    rplan = plan_reasoning(ctx.reasoning_parser, body, ctx.engine.tokenizer)
+    if rplan is not None:
+        body = rplan.adjust_request(body)
     rid, engine_id = request_ids(request, "chatcmpl")
     streams = await start_requests(ctx, body, engine_id, [{"prompt_token_ids": ids}],
                                    body.requested_max_tokens, None, body_bytes)
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, rid, streams[0], plan),
+        return StreamingResponse(_stream(ctx, body, rid, streams[0], plan, rplan),
                                  media_type="text/event-stream")
     try:
         (out,) = await unless_disconnected(request, final_outputs(streams))
@@ -85,9 +94,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         if body.logprobs and c.logprobs is not None:
             lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
                                 body.tokens_as_ids)
-        message, finish = tool_message(plan, role, c.text, c.finish_reason)
+        reasoning, text = (None, c.text) if rplan is None else rplan.split_whole(c.text)
+        message, finish = tool_message(plan, role, text, c.finish_reason)
         if echo and plan.mode == "none":
             message.content = echo + (message.content or "")
+        if rplan is not None:
+            rplan.annotate(message, reasoning)
         choices.append(ChatChoice(c.index, message, lps, finish_reason=finish,
                                   stop_reason=c.stop_reason,
                                   token_ids=list(c.token_ids) if body.return_token_ids
@@ -102,7 +114,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
-                  stream: RequestStream, plan: ToolPlan) -> AsyncIterator[bytes]:
+                  stream: RequestStream, plan: ToolPlan,
+                  rplan: ReasoningPlan | None = None) -> AsyncIterator[bytes]:
     created = now_s()
     usage_on = body.usage_wanted(ctx.force_include_usage)
     continuous = body.continuous_usage(ctx.force_include_usage)
@@ -129,6 +142,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
     out_now: RequestOutput | None = None  # the output being streamed, for chunk()
     extras = StreamTokenIds(body.return_token_ids, n)
     tools = [ChoiceToolStream(plan) for _ in range(n)] if plan.mode != "none" else None
+    thinking = [ChoiceReasoningStream(rplan) for _ in range(n)] if rplan else None
     role, echo = response_role(body), echo_text(body)
     try:
         for i in range(n):
@@ -149,14 +163,26 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
                                         body.top_logprobs or 0, body.tokens_as_ids)
                 n_gen[i] = len(c.token_ids)
                 done[i] = c.finish_reason is not None
-                if tools is None:
+                if tools is None and thinking is None:
                     yield chunk(i, ChatDelta(content=text), c.finish_reason, lps,
                                 c.stop_reason)
                     continue
-                delta = tools[i].delta(c.text, c.finish_reason is not None)
-                finish = tools[i].finish_reason(c.finish_reason)
-                if delta is not None or finish is not None or lps is not None:
-                    yield chunk(i, delta or ChatDelta(), finish, lps, c.stop_reason)
+                delta, finish = ChatDelta(), c.finish_reason
+                # The reasoning split first; tool calls are read from its content only.
+                content_so_far, content_piece = c.text, text
+                if thinking is not None:
+                    rd = thinking[i].step(c.text, done[i])
+                    put_reasoning(delta, rd.reasoning)
+                    content_so_far, content_piece = rd.content_so_far, rd.content
+                if tools is not None:
+                    td = tools[i].delta(content_so_far, done[i])
+                    finish = tools[i].finish_reason(c.finish_reason)
+                    if td is not None:
+                        delta.content, delta.tool_calls = td.content, td.tool_calls
+                elif content_piece is not None:
+                    delta.content = content_piece
+                if delta != ChatDelta() or finish is not None or lps is not None:
+                    yield chunk(i, delta, finish, lps, c.stop_reason)
         if usage_on:
             yield sse(ChatCompletionChunk(rid, created, ctx.model_name, [],
                                           usage=Usage.of(n_prompt, sum(n_gen))))

@@ -23,6 +23,7 @@ from forerun.server.edge import unless_disconnected
 from forerun.server.errors import APIError, engine_dead_error
 from forerun.server.logprobs import chat_logprobs
 from forerun.server.protocol import ChatCompletionRequest
+from forerun.server.reasoning import plan_reasoning
 from forerun.server.serving import (
     ServingContext,
     check_model,
@@ -81,6 +82,10 @@ async def create_batch_chat_completion(ctx: ServingContext, body: BatchChatCompl
             prompts.append({"prompt_token_ids": chat_prompt_ids(ctx, conv, plan)})
         except APIError as err:
             raise _in_conversation(err, i) from None
+    rplans = [plan_reasoning(ctx.reasoning_parser, conv, ctx.engine.tokenizer)
+              for conv in convs]
+    convs = [conv if rp is None else rp.adjust_request(conv)
+             for conv, rp in zip(convs, rplans, strict=True)]
     rid, engine_id = request_ids(request, "chatcmpl")
     # One request per conversation, admitted or refused together.
     streams = await start_requests(ctx, convs[0], engine_id, prompts,
@@ -90,14 +95,18 @@ async def create_batch_chat_completion(ctx: ServingContext, body: BatchChatCompl
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from None
     choices, n_prompt, n_gen = [], 0, 0
-    for i, (conv, plan, out) in enumerate(zip(convs, plans, outs, strict=True)):
+    for i, (conv, plan, rplan, out) in enumerate(zip(convs, plans, rplans, outs,
+                                                     strict=True)):
         (c,) = out.outputs
         lps = None
         if conv.logprobs and c.logprobs is not None:
             lps = chat_logprobs(c.token_ids, c.logprobs, conv.top_logprobs or 0,
                                 conv.tokens_as_ids)
-        message, finish = tool_message(plan, response_role(conv), c.text, c.finish_reason)
+        reasoning, text = (None, c.text) if rplan is None else rplan.split_whole(c.text)
+        message, finish = tool_message(plan, response_role(conv), text, c.finish_reason)
         message.content = echo_text(conv) + (message.content or "")
+        if rplan is not None:
+            rplan.annotate(message, reasoning)
         choices.append(ChatChoice(i, message, lps, finish_reason=finish,
                                   stop_reason=c.stop_reason,
                                   token_ids=list(c.token_ids) if conv.return_token_ids

@@ -22,6 +22,8 @@ def template_kwargs(body: ChatCompletionRequest,
     kwargs: dict[str, Any] = {"add_generation_prompt": body.add_generation_prompt,
                               "continue_final_message": body.continue_final_message,
                               "tools": tools, "documents": body.documents}
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
     extra = body.chat_template_kwargs or {}
     bad = sorted(k for k in extra if k in _RESERVED)
     if bad:

@@ -61,6 +61,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read from the model's text: hermes "
                         "(<tool_call>{...}</tool_call>, Qwen2/3, Hermes)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split the model's thinking into reasoning_content: "
+                        "deepseek_r1, qwen3 (<think>...</think>) or openai_gptoss (harmony)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) used "
                         "instead of the model's own")
@@ -126,6 +129,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_requests=not args.disable_log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         chat_template=_read_template(args.chat_template),
         structured_outputs_disable_any_whitespace=_structured_whitespace(
             args.structured_outputs_config),

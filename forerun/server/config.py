@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from forerun.reasoning import ReasoningParserManager
 from forerun.tool_parsers import ToolParserManager
 
 # A body at least this big is parsed, validated and tokenised on a worker thread, so one
@@ -54,6 +55,9 @@ class ServerConfig:
     # Tool calling: tool_choice "auto" needs both (forerun/server/tool_calls.py).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --reasoning-parser: split the model's thinking from its answer on chat responses
+    # (forerun/server/reasoning.py); None: the output is all content, as before.
+    reasoning_parser: str | None = None
     # A Jinja chat template replacing the model's own (--chat-template).
     chat_template: str | None = None
     # --structured-outputs-config '{"disable_any_whitespace": ...}': the whitespace mode of
@@ -75,6 +79,10 @@ class ServerConfig:
                 and self.tool_call_parser not in ToolParserManager.tool_parsers:
             raise ValueError(f"tool_call_parser: {self.tool_call_parser!r} is not one of "
                              f"{sorted(ToolParserManager.tool_parsers)}")
+        if self.reasoning_parser is not None \
+                and self.reasoning_parser not in ReasoningParserManager.reasoning_parsers:
+            raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of "
+                             f"{sorted(ReasoningParserManager.reasoning_parsers)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         if any(not name for name in self.served_model_names):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,7 +46,6 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (None, False),
     "chat_template": (None,),
-    "reasoning_effort": (None,),
 }
 
 
@@ -370,6 +369,11 @@ class ChatCompletionRequest(_BaseRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    # vLLM's switch: false drops the reasoning a --reasoning-parser splits off.
+    include_reasoning: bool = True
+    # OpenAI's effort, handed to the chat template as vLLM does (the built-in harmony
+    # template of gpt-oss writes it into the system message; others may ignore it).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     _endpoint_unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _CHAT_UNSUPPORTED
     # Chat's per-token count is top_logprobs; the engine calls it logprobs.

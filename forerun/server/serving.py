@@ -40,6 +40,8 @@ class ServingContext:
     chat_template: str | None = None
     # --structured-outputs-config's disable_any_whitespace, for requests that set none.
     disable_any_whitespace: bool | None = None
+    # --reasoning-parser's name (forerun/server/reasoning.py); None: no reasoning split.
+    reasoning_parser: str | None = None
 
 
 def request_ids(request: Any, prefix: str, sep: str = "-") -> tuple[str, str]:

@@ -1,0 +1,74 @@
+"""``--reasoning-parser`` on /v1/chat/completions: the model's thinking in ``reasoning``
+and ``reasoning_content`` (vLLM's current and former names), its answer in ``content``.
+
+The split comes first: tool calls are parsed from the content part only, so a model that
+thinks about a ``<tool_call>`` does not call it. Logprobs and token ids stay per token, as
+without a parser. A request's ``include_reasoning: false`` drops the reasoning (the fields
+are null and no reasoning deltas are streamed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from forerun.reasoning import ReasoningDelta, ReasoningParser, ReasoningParserManager
+from forerun.server.bodies import ChatDelta, ChatMessage
+
+
+@dataclass(slots=True)
+class ReasoningPlan:
+    """How one request's outputs are split: the server's parser and the request's choice."""
+
+    parser_cls: type[ReasoningParser]
+    tokenizer: Any
+    include: bool = True
+
+    def new_parser(self) -> ReasoningParser:
+        return self.parser_cls(self.tokenizer)
+
+    def adjust_request(self, body: Any) -> Any:
+        return self.new_parser().adjust_request(body)
+
+    def split_whole(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole response; the content "" when there is none,
+        as the tool-call stage takes text."""
+        reasoning, content = self.new_parser().extract_reasoning(text)
+        return reasoning, content or ""
+
+    def annotate(self, message: ChatMessage, reasoning: str | None) -> None:
+        """Put the reasoning on ``message``, where vLLM puts it (null when there is none
+        or the request asked for none); an empty answer is a null content, as there."""
+        shown = reasoning if self.include else None
+        message.reasoning = message.reasoning_content = shown
+        if message.content == "":
+            message.content = None
+
+
+def plan_reasoning(parser_name: str | None, body: Any, tokenizer: Any) -> ReasoningPlan | None:
+    """The request's plan, or None when the server has no reasoning parser."""
+    if parser_name is None:
+        return None
+    return ReasoningPlan(ReasoningParserManager.get_reasoning_parser(parser_name), tokenizer,
+                         include=getattr(body, "include_reasoning", True) is not False)
+
+
+class ChoiceReasoningStream:
+    """Splits one streamed choice's text as it grows; one per choice (``n`` > 1)."""
+
+    def __init__(self, plan: ReasoningPlan) -> None:
+        self.parser = plan.new_parser()
+        self.include = plan.include
+
+    def step(self, current_text: str, finished: bool) -> ReasoningDelta:
+        """What ``current_text`` (the choice's whole text so far) adds."""
+        d = self.parser.extract_reasoning_streaming(current_text, finished)
+        if not self.include:
+            d.reasoning = None
+        return d
+
+
+def put_reasoning(delta: ChatDelta, reasoning: str | None) -> None:
+    """A reasoning piece on a streamed delta, under both names."""
+    if reasoning is not None:
+        delta.reasoning = delta.reasoning_content = reasoning
