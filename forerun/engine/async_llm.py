@@ -119,7 +119,8 @@ class AsyncLLM:
         self.client.start()
         try:
             # Load the tokenizer while the core loads the model.
-            self.tokenizer = load_tokenizer(self.model_info.tokenizer_from)
+            self.tokenizer = load_tokenizer(self.model_info.tokenizer_from,
+                                            self.model_info.model_config.architecture)
             ready = self.client.wait_ready()
         except BaseException:
             self.client.shutdown()

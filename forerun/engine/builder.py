@@ -55,7 +55,7 @@ def shared_tokenizer(info: ModelInfo) -> Any:
     key = f"{source.path}|{source.gguf_file}"
     tok = _TOKENIZERS.get(key)
     if tok is None:
-        tok = load_tokenizer(source)
+        tok = load_tokenizer(source, info.model_config.architecture)
         _TOKENIZERS[key] = tok
     return tok
 

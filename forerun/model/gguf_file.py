@@ -98,7 +98,13 @@ _STOP_TEXTS: dict[str, frozenset[str]] = {
     "smollm3": frozenset({"<|im_end|>", "<|end_of_text|>"}),
     "gemma2": frozenset({"<end_of_turn>"}),
     "gemma3": frozenset({"<end_of_turn>"}),
+    # gpt-oss (harmony): a turn ends on <|return|> (answered) or <|call|> (a tool call).
+    "gpt-oss": frozenset({"<|return|>", "<|call|>", "<|endoftext|>"}),
 }
+# Control tokens a file may name as eos / eot that are no stop for its family: gpt-oss's
+# <|end|> closes one message (the reasoning on the analysis channel) inside a turn, and
+# stopping there would cut every answer off after its thinking.
+_NOT_STOP_TEXTS: dict[str, frozenset[str]] = {"gpt-oss": frozenset({"<|end|>"})}
 _CONTROL_TOKEN = 3  # llama.cpp's token type of special tokens
 
 
@@ -287,6 +293,7 @@ def _stop_token_ids(reader: GGUFReader, arch: str) -> list[int]:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     types = reader.fields.get("tokenizer.ggml.token_type")
     stop_texts = _STOP_TEXTS.get(arch, _LLAMA3_STOP_TEXTS)
+    not_stops = _NOT_STOP_TEXTS.get(arch, frozenset())
     if (stop_texts and tokens is not None and types is not None
             and len(types.data) == len(tokens.data)):
         kinds = np.array(types.contents())
@@ -295,6 +302,8 @@ def _stop_token_ids(reader: GGUFReader, arch: str) -> list[int]:
             text = bytes(tokens.parts[tokens.data[int(i)]]).decode("utf-8", errors="replace")
             if text in stop_texts:
                 ids.append(int(i))
+            elif text in not_stops:
+                ids = [t for t in ids if t != int(i)]
     return list(dict.fromkeys(ids))
 
 

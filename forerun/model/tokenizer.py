@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from forerun.model.cache import GGUFCacheEntry
 from forerun.model.errors import ModelLoadError
 from forerun.model.gguf_file import gguf_chat_template, open_gguf
+from forerun.model.harmony_template import with_default_chat_template
 from forerun.model.source import ModelSource
 
 if TYPE_CHECKING:
@@ -16,13 +17,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (from tokenizer.json, or converted from the GGUF vocabulary)."""
+def load_tokenizer(source: ModelSource,
+                   architecture: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (from tokenizer.json, or converted from the GGUF vocabulary).
+
+    ``architecture``: the model's; one whose chat format forerun builds in (gpt-oss's
+    harmony) gets that template when the files carry none.
+    """
     entry = GGUFCacheEntry.for_source(source)
     if entry is not None:
         tok = entry.load_tokenizer()
         if tok is not None:
-            return tok
+            return with_default_chat_template(tok, architecture)
     from transformers import AutoTokenizer  # ~1 s to import: only where a tokenizer loads
 
     try:
@@ -39,8 +45,8 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
         if template:
             tok.chat_template = template
     if entry is not None:
-        entry.save_tokenizer(tok)
-    return tok
+        entry.save_tokenizer(tok)  # as the files have it: the default is not cached
+    return with_default_chat_template(tok, architecture)
 
 
 def _gguf_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
