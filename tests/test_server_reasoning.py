@@ -1,0 +1,160 @@
+"""--reasoning-parser end to end, through the ``openai`` client: an in-process server
+(engine core in a thread, the app through Starlette's TestClient) on the default model,
+its output forced by a regex so that the thinking and the answer are known.
+
+The raw text of each choice is decoded from its ``token_ids`` (vLLM's return_token_ids),
+so every split is checked against the model's own output, not the parser's account of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.server_harness import MODEL
+
+THINK_REGEX = "<think>[a-z ]{1,12}</think>[A-Za-z ]{2,12}"
+ASK = [{"role": "user", "content": "Say hello."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+# A thought that mentions a call, then a real one: only the content's call counts.
+CALL_TEXT = ('<think><tool_call>x</tool_call></think>'
+             '<tool_call>{"name":"get_weather","arguments":{"city":"Rome"}}</tool_call>')
+CALL_REGEX = re.sub(r"([{}])", r"\\\1", CALL_TEXT)  # the braces are its only metacharacters
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[openai.OpenAI, Any]]:
+    """(client, tokenizer) of a deepseek_r1 + hermes server in this process."""
+    from fastapi.testclient import TestClient
+
+    from forerun.config import EngineConfig
+    from forerun.engine.async_llm import AsyncLLM
+    from forerun.server.api import build_app
+    from forerun.server.config import ServerConfig
+
+    # float32 as the other server tests; a short context keeps the KV cache small.
+    engine = AsyncLLM(EngineConfig(dtype="float32", max_model_len=512,
+                                   kv_cache_memory_bytes=64 << 20), engine_process=False)
+    app = build_app(engine, MODEL, ServerConfig(
+        reasoning_parser="deepseek_r1", enable_auto_tool_choice=True,
+        tool_call_parser="hermes", log_requests=False))
+    try:
+        with TestClient(app) as http:  # its lifespan shuts the engine down
+            yield (openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                                 http_client=http, max_retries=0), engine.tokenizer)
+    finally:
+        engine.shutdown()  # a no-op after the lifespan; not if the app never started
+
+
+def chat(client: openai.OpenAI, regex: str = THINK_REGEX, **kwargs: Any) -> Any:
+    extra = {"structured_outputs": {"regex": regex}, "return_token_ids": True,
+             **kwargs.pop("extra_body", {})}
+    kwargs.setdefault("max_tokens", 40)
+    return client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra,
+                                          **kwargs)
+
+
+def raw_text(tokenizer: Any, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def test_message_splits_the_thought_from_the_answer(served: tuple[openai.OpenAI, Any]
+                                                    ) -> None:
+    client, tok = served
+    r = chat(client, n=2, temperature=1.0, seed=7, logprobs=True, top_logprobs=2)
+    assert len(r.choices) == 2
+    for c in r.choices:
+        raw = raw_text(tok, c.token_ids)
+        m = re.fullmatch("<think>(.*)</think>(.*)", raw, re.S)
+        assert m is not None, raw
+        assert c.message.reasoning_content == m.group(1)
+        assert c.message.reasoning == m.group(1)  # vLLM's current name, same text
+        assert c.message.content == m.group(2)
+        assert len(c.logprobs.content) == len(c.token_ids)  # per token, as without
+        assert c.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def greedy(served: tuple[openai.OpenAI, Any]) -> Any:
+    """The greedy non-streamed response the streamed ones are compared with."""
+    return chat(served[0], temperature=0)
+
+
+def test_stream_sends_reasoning_deltas_then_content(served: tuple[openai.OpenAI, Any],
+                                                    greedy: Any) -> None:
+    client, tok = served
+    whole = greedy
+    got: dict[int, dict[str, Any]] = {}
+    for chunk in chat(client, temperature=0, stream=True, n=2, logprobs=True):
+        for ch in chunk.choices:
+            g = got.setdefault(ch.index, {"r": "", "c": "", "order": [], "ids": [],
+                                          "lps": 0})
+            d = ch.delta
+            r, c = getattr(d, "reasoning_content", None), d.content
+            assert getattr(d, "reasoning", None) == r
+            if r:
+                g["r"] += r
+                g["order"].append("r")
+            if c:
+                g["c"] += c
+                g["order"].append("c")
+            g["ids"] += getattr(ch, "token_ids", None) or []  # none on the role chunk
+            g["lps"] += len(ch.logprobs.content) if ch.logprobs else 0
+    assert sorted(got) == [0, 1]
+    for g in got.values():  # greedy: both choices are the non-streamed one
+        assert (g["r"], g["c"]) == (whole.choices[0].message.reasoning_content,
+                                    whole.choices[0].message.content)
+        assert g["ids"] == whole.choices[0].token_ids and g["lps"] == len(g["ids"])
+        # All the thinking first, then the answer; the tags split over several tokens.
+        assert g["order"] == sorted(g["order"], key="rc".index) and "r" in g["order"]
+        assert raw_text(tok, g["ids"]) == f"<think>{g['r']}</think>{g['c']}"
+
+
+def test_include_reasoning_false_drops_it(served: tuple[openai.OpenAI, Any],
+                                          greedy: Any) -> None:
+    client, _ = served
+    keep = greedy
+    drop = chat(client, temperature=0, extra_body={"include_reasoning": False})
+    assert keep.choices[0].message.reasoning_content
+    assert drop.choices[0].message.reasoning_content is None
+    assert drop.choices[0].message.content == keep.choices[0].message.content
+    pieces = [ch.delta for chunk in chat(client, temperature=0, stream=True,
+                                         extra_body={"include_reasoning": False})
+              for ch in chunk.choices]
+    assert not any(getattr(d, "reasoning_content", None) for d in pieces)
+    assert "".join(d.content or "" for d in pieces) == keep.choices[0].message.content
+
+
+def test_tool_calls_come_from_the_content_only(served: tuple[openai.OpenAI, Any]) -> None:
+    client, tok = served
+    regex = CALL_REGEX
+    r = chat(client, regex=regex, temperature=0, tools=[WEATHER], max_tokens=200)
+    c = r.choices[0]
+    assert raw_text(tok, c.token_ids) == CALL_TEXT
+    assert c.message.reasoning_content == "<tool_call>x</tool_call>"
+    assert [(t.function.name, json.loads(t.function.arguments))
+            for t in c.message.tool_calls] == [("get_weather", {"city": "Rome"})]
+    assert not c.message.content and c.finish_reason == "tool_calls"
+    reasoning, calls, finish = "", {}, None
+    for chunk in chat(client, regex=regex, temperature=0, tools=[WEATHER], max_tokens=200,
+                      stream=True):
+        for ch in chunk.choices:
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            assert not ch.delta.content
+            for tc in ch.delta.tool_calls or []:
+                if tc.function.name:
+                    calls[tc.index] = [tc.function.name, ""]
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert reasoning == c.message.reasoning_content
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [("get_weather",
+                                                                {"city": "Rome"})]
+    assert finish == "tool_calls"
