@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from forerun import SamplingParams
+from tests.background_process import BackgroundRun
 
 MISSING = Path(tempfile.gettempdir()) / "forerun-test-cli-missing-model" / "nope"
 MODEL_ARGS = ("--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
@@ -35,31 +36,11 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str | None]] = {
 }
 
 
-class Run:
+class Run(BackgroundRun):
     """``python -m forerun.cli *args`` started now; :meth:`result` waits for it."""
 
     def __init__(self, args: tuple[str, ...], stdin: str | None, folder: Path) -> None:
-        self.args = [sys.executable, "-m", "forerun.cli", *args]
-        self.out = (folder / "stdout").open("w+", encoding="utf-8")
-        self.err = (folder / "stderr").open("w+", encoding="utf-8")
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=self.out,
-                                     stderr=self.err, text=True)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(stdin or "")
-        self.proc.stdin.close()
-
-    def result(self) -> subprocess.CompletedProcess[str]:
-        try:
-            self.proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        texts = []
-        for f in (self.out, self.err):
-            f.seek(0)
-            texts.append(f.read())
-            f.close()
-        return subprocess.CompletedProcess(self.args, self.proc.returncode, *texts)
+        super().__init__([sys.executable, "-m", "forerun.cli", *args], stdin, folder)
 
 
 @pytest.fixture(scope="module")

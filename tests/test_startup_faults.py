@@ -29,6 +29,7 @@ import torch.distributed as dist
 from forerun import LLM, SamplingParams
 from forerun.distributed.parallel_state import free_port
 from forerun.worker.multiproc_executor import RankStartupError
+from tests.background_process import BackgroundRun
 from tests.server_harness import child_pids, forkserver_pids
 from tests.test_tensor_parallel import rank_pids, worker_thread_setup
 from tests.tiny_model import write_tiny_llama
@@ -105,37 +106,19 @@ llm.shutdown()
 """
 
 
-class Script:
+class Script(BackgroundRun):
     """``cmd`` started now with ``stdin`` written to it, its output in files;
     :meth:`tokens` waits for it."""
 
     def __init__(self, cmd: list[str], stdin: str | None, folder: Path) -> None:
-        self.out = (folder / "stdout").open("w+", encoding="utf-8")
-        self.err = (folder / "stderr").open("w+", encoding="utf-8")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self.out,
-                                     stderr=self.err, text=True, cwd=folder,
-                                     env=script_env())
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(stdin or "")
-        self.proc.stdin.close()
+        super().__init__(cmd, stdin, folder, cwd=folder, env=script_env())
 
     def tokens(self, timeout: float) -> list[int]:
         """The token ids it printed after exiting 0."""
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        texts = []
-        for f in (self.out, self.err):
-            f.seek(0)
-            texts.append(f.read())
-            f.close()
-        out, err = texts
-        assert self.proc.returncode == 0, err[-4000:]
-        lines = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
-        assert lines, out[-2000:] + err[-2000:]
+        done = self.result(timeout)
+        assert done.returncode == 0, done.stderr[-4000:]
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
+        assert lines, done.stdout[-2000:] + done.stderr[-2000:]
         return json.loads(lines[-1].split(" ", 1)[1])
 
 
