@@ -179,10 +179,13 @@ def test_a_typed_question_streams_the_answer_of_a_direct_call(
     seen: list[str] = []
 
     def finished() -> bool:
+        # The flag first, then the text: read the other way round, the last chunk could
+        # land between the two reads and the text kept would be one token short.
+        streaming = _chat(browser)["streaming"]
         text = browser.execute_script(LAST_ANSWER)
         if text and (not seen or seen[-1] != text):
             seen.append(text)
-        return bool(text) and not _chat(browser)["streaming"]
+        return bool(text) and not streaming
 
     _until(finished, timeout_s=60, poll_s=0.02)
     # The text grew on screen: at least two partial texts before the whole.
