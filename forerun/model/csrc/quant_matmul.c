@@ -764,6 +764,9 @@ static inline __attribute__((always_inline)) void group_q6k_m(
                 for (int i = 0; i < m; ++i)
                     fix[hh][i] = _mm256_fmadd_ps(corr[i], d, fix[hh][i]);
             }
+            /* Unrolled, each block's shifts of qh are constants (its bits 2q..2q+1): 2-8 rows
+             * on 2 cores went 1.2-1.3x (4 x 8192 x 2048, from DRAM). */
+#pragma GCC unroll 8
             for (int j = 0; j < 8; ++j) { /* block of 32: half f, block q of the half */
                 const int f = j / 4, q = j % 4;
                 __m256i dot[2][MAXM];
