@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from forerun import SamplingParams
+from tests.background_process import BackgroundRun
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ["generate", "The capital of France is", "--max-tokens", "10", "--dtype", "float32",
@@ -59,22 +60,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return python, env
 
 
-class Started:
-    """A command of the installed wheel, started now; :meth:`result` waits for it."""
+class Started(BackgroundRun):
+    """A command of the installed wheel, started now from ``cwd``; :meth:`result` waits for
+    it and asserts it exited 0."""
 
     def __init__(self, cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        super().__init__(cmd, None, cwd, cwd=cwd, env=env)
 
-    def result(self) -> subprocess.CompletedProcess[str]:
-        try:
-            out, err = self.proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        assert self.proc.returncode == 0, (self.cmd, out[-2000:], err[-4000:])
-        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err)
+    def result(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        done = super().result(timeout)
+        assert done.returncode == 0, (self.args, done.stdout[-2000:], done.stderr[-4000:])
+        return done
 
 
 @pytest.fixture(scope="module")
