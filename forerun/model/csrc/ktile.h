@@ -44,12 +44,14 @@ static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *m
 int64_t ktile_expanded_bytes(int64_t type, int64_t nsb);
 /* Expand a group's nsb tiles (16 rows x 256 nsb values) into x (ktile_expanded_bytes). */
 void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x);
-/* out[i][r] = row r of the group . activation row i, for m <= 4 rows of qa (int8 per block
- * of 32, k per row) with their block scales sa, scaled sums ssa (per 32) and ss16 (per 16,
- * Q6_K only), as quant_matmul.c's group bodies take them. */
+/* Activation rows one ktile_expanded_rows call takes at most (3 Q4_K/Q5_K, 4 Q6_K). */
+int64_t ktile_rows_per_call(int64_t type);
+/* out[i][r] = row r of the group . activation row i, for m <= ktile_rows_per_call(type) rows
+ * of qa (int8 per block of 32, k per row) with their block scales sa and scaled sums ssa
+ * (per 32), as quant_matmul.c's group bodies take them. */
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
-                         const float *sa, const float *ssa, const float *ss16, int64_t k,
-                         int64_t m, float out[][16]);
+                         const float *sa, const float *ssa, int64_t k, int64_t m,
+                         float out[][16]);
 #endif
 
 #endif

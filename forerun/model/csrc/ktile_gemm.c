@@ -1,19 +1,20 @@
 /* Q4_K, Q5_K and Q6_K tiles against many activation rows (a prefill, a large batch) in the
  * AVX2 build without VNNI: a group's tiles are first expanded to one byte per value (the
- * 4-6 bit value with its high bits merged, 0..31 or 0..63) and their scales to the forms
- * the body multiplies by, once per call; the rows then run against the bytes, four at a
- * time, with no unpacking. quant_matmul.c's group bodies unpack every line for every four
- * activation rows, which on this instruction set costs about what the byte products cost.
- * The function computed is the same as theirs: the same integer sums, the same float terms
- * in the same order (equal results but where -ffast-math contracts an instance differently).
+ * 4-5 bit value with its high bits merged, 0..31; Q6_K's q - 32, -32..31) and their scales
+ * to the forms the body multiplies by, once per call; the rows then run against the bytes,
+ * three or four at a time, with no unpacking. quant_matmul.c's group bodies unpack every
+ * line for every four activation rows, which on this instruction set costs about what the
+ * byte products cost. The function computed is theirs: Q4_K/Q5_K with the same integer sums
+ * and float terms in the same order; Q6_K's integer sums include the offset -32, where theirs
+ * take it back from the activations' sums in float (equal up to float rounding).
  *
  * Expanded layouts, per super-block of a group (16 rows x 256 values); a line is 64 bytes,
  * 4 consecutive values of each of the 16 rows (row r at bytes 4r..4r+3), as in the tiles:
  *   Q4_K / Q5_K: lines [sub-block s 8][g 8] (values 32s + 4g..4g+3), then d*sc and dmin*mn
  *                as [s 8][16 rows] floats;
- *   Q6_K:        lines [block j 8][g 8] (values 32j + 4g..4g+3), then the 16 int8 scales
- *                per row as int32 lanes holding the int16 pair (s, s) ([c 16][16 rows]), the
- *                same as floats, then d as 16 floats.
+ *   Q6_K:        lines [block j 8][g 8] (values 32j + 4g..4g+3) holding q - 32 as int8,
+ *                then the 16 int8 scales per row as int32 lanes holding the int16 pair
+ *                (s, s) ([c 16][16 rows]), then d as 16 floats.
  * Built and loaded by forerun/model/cpu_kernels.py. */
 #include "ktile.h"
 
@@ -26,8 +27,7 @@
 #define XL 4096 /* bytes of a super-block's expanded lines */
 #define XK_BYTES (XL + 2 * 8 * 16 * 4)
 #define X6_SCP XL
-#define X6_SCF (XL + 16 * 64)
-#define X6_D (XL + 2 * 16 * 64)
+#define X6_D (XL + 16 * 64)
 #define X6_BYTES (X6_D + 16 * 4)
 #define QK 32
 
@@ -77,7 +77,8 @@ static void expand_kt(int q5, const uint8_t *t, uint8_t *x) {
 }
 
 static void expand_q6k(const uint8_t *t, uint8_t *x) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30),
+                  off = _mm256_set1_epi8(32);
     for (int j = 0; j < 8; ++j) {
         const int f = j / 4, q = j % 4;
         for (int g = 0; g < 8; ++g)
@@ -92,18 +93,17 @@ static void expand_q6k(const uint8_t *t, uint8_t *x) {
                                    : q == 1 ? _mm256_slli_epi16(qh, 2)
                                    : q == 2 ? qh
                                             : _mm256_srli_epi16(qh, 2);
-                _mm256_storeu_si256((__m256i *)(x + 64 * (8 * j + g) + 32 * h),
-                                    _mm256_or_si256(lo, _mm256_and_si256(hb, hi2)));
+                _mm256_storeu_si256(
+                    (__m256i *)(x + 64 * (8 * j + g) + 32 * h),
+                    _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hb, hi2)), off));
             }
     }
     uint32_t *scp = (uint32_t *)(x + X6_SCP);
-    float *scf = (float *)(x + X6_SCF), *d = (float *)(x + X6_D);
+    float *d = (float *)(x + X6_D);
     for (int cc = 0; cc < 16; ++cc)
         for (int r = 0; r < 16; ++r) {
-            const int8_t s = (int8_t)t[32 + 16 * cc + r];
-            const uint32_t s16 = (uint16_t)(int16_t)s;
+            const uint32_t s16 = (uint16_t)(int16_t)(int8_t)t[32 + 16 * cc + r];
             scp[16 * cc + r] = s16 | (s16 << 16);
-            scf[16 * cc + r] = (float)s;
         }
     for (int r = 0; r < 16; ++r) d[r] = fp16_to_f32(t + 2 * r);
 }
@@ -123,84 +123,96 @@ static inline __m256i bcast4(const int8_t *a) { /* 4 activation bytes in every l
     return _mm256_set1_epi32(v);
 }
 
-/* Q4_K / Q5_K: half h of the rows (8 lanes) against m activation rows. Per sub-block the 8
- * lines' byte products are summed in int16 (Q5_K: widened after 4 lines, as 8 of its sums
- * could pass 32767) and widened once; then d sc s and dmin mn (s sum) as quant_matmul.c. */
+/* Q4_K / Q5_K: all 16 rows (two halves of 8 lanes) against m <= 3 activation rows, one
+ * broadcast of 4 activation bytes feeding both halves. Per sub-block the 8 lines' byte
+ * products are summed in int16 (Q5_K: widened after 4 lines, as 8 of its sums could pass
+ * 32767) and widened once; then d sc s and dmin mn (s sum) as quant_matmul.c. A half per pass
+ * with 4 rows (a broadcast per product) ran Q5_K 1.1-1.2x and Q4_K 1.03-1.09x slower on one
+ * core of an AVX2-only Zen 3: with the widenings, Q5_K held more sums than registers. */
 static inline __attribute__((always_inline)) void rows_kt_m(
     const int q5, const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa,
-    const float *ssa, int64_t k, const int m, const int h, float out[][16]) {
+    const float *ssa, int64_t k, const int m, float out[][16]) {
     const int64_t nb = k / QK;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    for (int i = 0; i < m; ++i) acc[i] = _mm256_setzero_ps();
+    __m256 acc[3][2];
+    for (int i = 0; i < m; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *xb = x + b * XK_BYTES;
         const float *dsc = (const float *)(xb + XL), *dmn = dsc + 8 * 16;
         for (int s = 0; s < 8; ++s) {
-            __m256i sum[4], dot[4];
-            for (int i = 0; i < m; ++i) sum[i] = dot[i] = _mm256_setzero_si256();
+            __m256i sum[3][2], dot[3][2];
+            for (int i = 0; i < m; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
             for (int g = 0; g < 8; ++g) {
-                const __m256i u = _mm256_loadu_si256((const __m256i *)(xb + 64 * (8 * s + g) + 32 * h));
+                const uint8_t *line = xb + 64 * (8 * s + g);
+                const __m256i u0 = _mm256_loadu_si256((const __m256i *)line);
+                const __m256i u1 = _mm256_loadu_si256((const __m256i *)(line + 32));
                 for (int i = 0; i < m; ++i) {
-                    sum[i] = _mm256_add_epi16(
-                        sum[i], _mm256_maddubs_epi16(u, bcast4(qa + i * k + b * 256 + 32 * s + 4 * g)));
-                    KEEP_IN_REG(sum[i]);
+                    const __m256i a = bcast4(qa + i * k + b * 256 + 32 * s + 4 * g);
+                    sum[i][0] = _mm256_add_epi16(sum[i][0], _mm256_maddubs_epi16(u0, a));
+                    sum[i][1] = _mm256_add_epi16(sum[i][1], _mm256_maddubs_epi16(u1, a));
+                    KEEP_IN_REG(sum[i][0]);
+                    KEEP_IN_REG(sum[i][1]);
                 }
-                if (g == 7 || (q5 && g == 3))
-                    for (int i = 0; i < m; ++i) {
-                        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(sum[i], ones));
-                        sum[i] = _mm256_setzero_si256();
-                    }
+                if (q5 && g == 3)
+                    for (int i = 0; i < m; ++i)
+                        for (int h = 0; h < 2; ++h) {
+                            dot[i][h] = _mm256_madd_epi16(sum[i][h], ones);
+                            sum[i][h] = _mm256_setzero_si256();
+                        }
             }
             const int64_t j = b * 8 + s; /* activation block */
-            const __m256 vsc = _mm256_loadu_ps(dsc + 16 * s + 8 * h);
-            const __m256 vmn = _mm256_loadu_ps(dmn + 16 * s + 8 * h);
-            for (int i = 0; i < m; ++i) {
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]),
-                                         _mm256_mul_ps(vsc, _mm256_set1_ps(sa[i * nb + j])), acc[i]);
-                acc[i] = _mm256_fnmadd_ps(vmn, _mm256_set1_ps(ssa[i * nb + j]), acc[i]);
-            }
+            for (int i = 0; i < m; ++i)
+                for (int h = 0; h < 2; ++h) {
+                    __m256i d32 = _mm256_madd_epi16(sum[i][h], ones);
+                    if (q5) d32 = _mm256_add_epi32(d32, dot[i][h]);
+                    const __m256 vsc = _mm256_loadu_ps(dsc + 16 * s + 8 * h);
+                    const __m256 vmn = _mm256_loadu_ps(dmn + 16 * s + 8 * h);
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32),
+                                                _mm256_mul_ps(vsc, _mm256_set1_ps(sa[i * nb + j])),
+                                                acc[i][h]);
+                    acc[i][h] = _mm256_fnmadd_ps(vmn, _mm256_set1_ps(ssa[i * nb + j]), acc[i][h]);
+                }
         }
     }
-    for (int i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+    for (int i = 0; i < m; ++i) {
+        _mm256_storeu_ps(out[i], acc[i][0]);
+        _mm256_storeu_ps(out[i] + 8, acc[i][1]);
+    }
 }
 
-/* Q6_K: half h of the rows against m activation rows. Per 16 values (two lines, one scale)
- * the products are summed in int16 and weighted by the scale in the madd that widens them;
- * per block of 32 one float FMA (d s); the offset 32 taken back from the activations' sums
- * per 16 at the end, as quant_matmul.c. */
+/* Q6_K: half h of the rows against m <= 4 activation rows. The values are held as
+ * w = q - 32 (|w| <= 32), multiplied as maddubs(|w|, sign(a, w)): 2 |w| |a| <= 8128, so
+ * the 4 lines of one scale (16 values) sum in int16 and are weighted by the scale in the one
+ * madd that widens them; per block of 32 one float FMA (d s). Holding q (0..63) instead fit
+ * only 2 lines per madd and needed the offset 32 taken back from the activations' sums
+ * (about 1.1x slower on one core of an AVX2-only Zen 3). */
 static inline __attribute__((always_inline)) void rows_q6k_m(
-    const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
-    int64_t k, const int m, const int h, float out[][16]) {
+    const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, int64_t k, const int m,
+    const int h, float out[][16]) {
     const int64_t nb = k / QK;
-    __m256 acc[4], fix[4];
-    for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int i = 0; i < m; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *xb = x + b * X6_BYTES;
         const __m256 d = _mm256_loadu_ps((const float *)(xb + X6_D) + 8 * h);
-        __m256 corr[4];
-        for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
-        for (int c = 0; c < 16; ++c) {
-            const __m256 scf = _mm256_loadu_ps((const float *)(xb + X6_SCF) + 16 * c + 8 * h);
-            for (int i = 0; i < m; ++i)
-                corr[i] = _mm256_fmadd_ps(scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]),
-                                          corr[i]);
-        }
-        for (int i = 0; i < m; ++i) fix[i] = _mm256_fmadd_ps(corr[i], d, fix[i]);
         for (int j = 0; j < 8; ++j) {
             __m256i dot[4];
             for (int i = 0; i < m; ++i) dot[i] = _mm256_setzero_si256();
-            for (int gg = 0; gg < 4; ++gg) {
-                const __m256i sc =
-                    _mm256_loadu_si256((const __m256i *)(xb + X6_SCP + 64 * (2 * j + gg / 2) + 32 * h));
-                const __m256i u0 =
-                    _mm256_loadu_si256((const __m256i *)(xb + 64 * (8 * j + 2 * gg) + 32 * h));
-                const __m256i u1 =
-                    _mm256_loadu_si256((const __m256i *)(xb + 64 * (8 * j + 2 * gg + 1) + 32 * h));
+            for (int c = 0; c < 2; ++c) { /* the two scales of block j */
+                const __m256i sc = _mm256_loadu_si256(
+                    (const __m256i *)(xb + X6_SCP + 64 * (2 * j + c) + 32 * h));
+                __m256i w[4], aw[4];
+                for (int g = 0; g < 4; ++g) {
+                    w[g] = _mm256_loadu_si256(
+                        (const __m256i *)(xb + 64 * (8 * j + 4 * c + g) + 32 * h));
+                    aw[g] = _mm256_sign_epi8(w[g], w[g]);
+                }
                 for (int i = 0; i < m; ++i) {
-                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 8 * gg;
-                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast4(a)),
-                                                         _mm256_maddubs_epi16(u1, bcast4(a + 4)));
+                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * c;
+                    __m256i s16 = _mm256_maddubs_epi16(aw[0], _mm256_sign_epi8(bcast4(a), w[0]));
+                    for (int g = 1; g < 4; ++g)
+                        s16 = _mm256_add_epi16(
+                            s16, _mm256_maddubs_epi16(aw[g], _mm256_sign_epi8(bcast4(a + 4 * g), w[g])));
                     dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(s16, sc));
                     KEEP_IN_REG(dot[i]);
                 }
@@ -211,25 +223,35 @@ static inline __attribute__((always_inline)) void rows_q6k_m(
                                          acc[i]);
         }
     }
-    for (int i = 0; i < m; ++i)
-        _mm256_storeu_ps(out[i] + 8 * h, _mm256_fnmadd_ps(fix[i], _mm256_set1_ps(32.f), acc[i]));
+    for (int i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
 }
 
+int64_t ktile_rows_per_call(int64_t type) { return type == QT_Q6_K ? 4 : 3; }
+
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
-                         const float *sa, const float *ssa, const float *ss16, int64_t k,
-                         int64_t m, float out[][16]) {
-#define ROWS(M)                                                                                 \
-    for (int h = 0; h < 2; ++h) {                                                               \
-        if (type == QT_Q6_K) rows_q6k_m(x, nsb, qa, sa, ss16, k, M, h, out);                    \
-        else if (type == QT_Q5_K) rows_kt_m(1, x, nsb, qa, sa, ssa, k, M, h, out);              \
-        else rows_kt_m(0, x, nsb, qa, sa, ssa, k, M, h, out);                                   \
+                         const float *sa, const float *ssa, int64_t k, int64_t m,
+                         float out[][16]) {
+#define Q6(M)                                                                                   \
+    for (int h = 0; h < 2; ++h) rows_q6k_m(x, nsb, qa, sa, k, M, h, out);                       \
+    return
+#define KT(M)                                                                                   \
+    if (type == QT_Q5_K) rows_kt_m(1, x, nsb, qa, sa, ssa, k, M, out);                          \
+    else rows_kt_m(0, x, nsb, qa, sa, ssa, k, M, out);                                          \
+    return
+    if (type == QT_Q6_K) {
+        switch (m) {
+        case 1: Q6(1);
+        case 2: Q6(2);
+        case 3: Q6(3);
+        default: Q6(4);
+        }
     }
     switch (m) {
-    case 1: ROWS(1); return;
-    case 2: ROWS(2); return;
-    case 3: ROWS(3); return;
-    default: ROWS(4); return;
+    case 1: KT(1);
+    case 2: KT(2);
+    default: KT(3);
     }
-#undef ROWS
+#undef Q6
+#undef KT
 }
 #endif

@@ -1086,12 +1086,12 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                     uint8_t *xt = expand_scratch((size_t)ktile_expanded_bytes(type, nt));
                     if (xt) {
                         ktile_expand(type, tiles, nt, xt);
-                        for (int64_t i = i0; i < i0 + mc; i += 4) {
-                            const int64_t mi = i + 4 <= i0 + mc ? 4 : i0 + mc - i;
+                        const int64_t step = ktile_rows_per_call(type);
+                        for (int64_t i = i0; i < i0 + mc; i += step) {
+                            const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
                             float out[4][GR];
                             ktile_expanded_rows(type, xt, nt, qa + i * k, sa + i * nb,
-                                                ssa + i * nb, with16 ? ss16 + 2 * i * nb : NULL,
-                                                k, mi, out);
+                                                ssa + i * nb, k, mi, out);
                             for (int64_t t = 0; t < mi; ++t)
                                 store_row(out[t], rows, y, y_bf16, (i + t) * ldy + col, bias,
                                           col);
