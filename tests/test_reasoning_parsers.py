@@ -253,6 +253,56 @@ def test_harmony_template_renders_a_tool_conversation(harmony_tokenizer: Any) ->
     assert ids.count(end) == 7  # each marker is one special token
 
 
+# Two calls in one turn, with a preamble, answered out of order: each result is rendered
+# as from the function its tool_call_id names (harmony: <|start|>functions.NAME
+# to=assistant<|channel|>commentary<|message|>RESULT<|end|>); written out by hand.
+EXPECTED_TWO_CALLS_TAIL = (
+    "<|start|>user<|message|>Weather in Paris and Oslo?<|end|>"
+    "<|start|>assistant<|channel|>analysis<|message|>Two cities, two calls.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Looking both up.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+    '<|message|>{"city": "Oslo"}<|call|>'
+    "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>09:00<|end|>"
+    "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>20 C<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris: 20 C; Oslo: 09:00.<|end|>"
+    "<|start|>user<|message|>Thanks<|end|>"
+    "<|start|>assistant")
+
+
+def test_harmony_template_maps_each_tool_result_to_its_call(harmony_tokenizer: Any) -> None:
+    from forerun.engine.chat import render_chat
+    from forerun.model.harmony_template import HARMONY_CHAT_TEMPLATE
+
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": "Looking both up.",
+         "reasoning_content": "Two cities, two calls.", "tool_calls": [
+             {"id": "w", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "t", "type": "function", "function": {
+                 "name": "get_time", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "t", "content": "09:00"},
+        {"role": "tool", "tool_call_id": "w", "content": "20 C"},
+        # An earlier answer's reasoning is not rendered (harmony drops it once answered).
+        {"role": "assistant", "content": "Paris: 20 C; Oslo: 09:00.",
+         "reasoning_content": "Both known."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    text = render_chat(harmony_tokenizer, messages, chat_template=HARMONY_CHAT_TEMPLATE,
+                       tools=[WEATHER, clock], current_date="2025-06-28")
+    # The tools as a TypeScript-like namespace in the developer message.
+    assert ("<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {"
+            "\n\n// Weather in a city\ntype get_weather = (_: {\n// The city\ncity: string,"
+            '\nunit?: "c" | "f",\n}) => any;\n\ntype get_time = (_: {\ncity?: string,\n})'
+            " => any;\n\n} // namespace functions<|end|>") in text
+    assert text.endswith(EXPECTED_TWO_CALLS_TAIL)
+    assert text.index("<|start|>developer") < text.index(EXPECTED_TWO_CALLS_TAIL)
+
+
 def test_harmony_template_plain_chat_and_default_effort(harmony_tokenizer: Any) -> None:
     from forerun.engine.chat import render_chat
     from forerun.model.harmony_template import HARMONY_CHAT_TEMPLATE

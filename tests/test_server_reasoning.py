@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,9 +31,27 @@ CALL_TEXT = ('<think><tool_call>x</tool_call></think>'
 CALL_REGEX = re.sub(r"([{}])", r"\\\1", CALL_TEXT)  # the braces are its only metacharacters
 
 
+class _TwoServers:
+    """Two apps over one engine in one event loop (the engine's output handler is bound
+    to it): ``/harmony/...`` goes to the second, everything else (lifespan included) to
+    the first, so one engine serves both servers' configurations."""
+
+    def __init__(self, main: Any, harmony: Any) -> None:
+        self.main, self.harmony = main, harmony
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith("/harmony/"):
+            path = path[len("/harmony"):]
+            scope = {**scope, "path": path, "raw_path": path.encode()}
+            return await self.harmony(scope, receive, send)
+        return await self.main(scope, receive, send)
+
+
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[openai.OpenAI, Any]]:
-    """(client, tokenizer) of a deepseek_r1 + hermes server in this process."""
+def servers() -> Iterator[tuple[Any, Any]]:
+    """(http client, tokenizer): a deepseek_r1 + hermes server at ``/v1`` and an
+    openai_gptoss + openai (harmony) server at ``/harmony/v1``, in this process."""
     from fastapi.testclient import TestClient
 
     from forerun.config import EngineConfig
@@ -46,12 +65,42 @@ def served() -> Iterator[tuple[openai.OpenAI, Any]]:
     app = build_app(engine, MODEL, ServerConfig(
         reasoning_parser="deepseek_r1", enable_auto_tool_choice=True,
         tool_call_parser="hermes", log_requests=False))
+    harmony = build_app(engine, MODEL, ServerConfig(
+        reasoning_parser="openai_gptoss", enable_auto_tool_choice=True,
+        tool_call_parser="openai", log_requests=False))
     try:
-        with TestClient(app) as http:  # its lifespan shuts the engine down
-            yield (openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
-                                 http_client=http, max_retries=0), engine.tokenizer)
+        with TestClient(_TwoServers(app, harmony)) as http:  # its lifespan shuts it down
+            yield http, engine.tokenizer
+            # Every request of the module is over: nothing may hold a KV block (a request
+            # a stop string ended is aborted in the core a moment after its reply).
+            deadline = time.monotonic() + 10
+            while True:
+                state = http.get("/forerun/engine").json()
+                idle = (state["kv_cache_usage"], state["num_requests_running"],
+                        state["num_requests_waiting"]) == (0, 0, 0)
+                if idle or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert idle, state
     finally:
         engine.shutdown()  # a no-op after the lifespan; not if the app never started
+
+
+def _client(http: Any, prefix: str = "") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://testserver{prefix}/v1", api_key="unused",
+                         http_client=http, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def served(servers: tuple[Any, Any]) -> tuple[openai.OpenAI, Any]:
+    """(client, tokenizer) of the deepseek_r1 + hermes server."""
+    return _client(servers[0]), servers[1]
+
+
+@pytest.fixture(scope="module")
+def harmony_served(servers: tuple[Any, Any]) -> tuple[openai.OpenAI, Any]:
+    """(client, tokenizer) of the openai_gptoss + openai (harmony tool calls) server."""
+    return _client(servers[0], "/harmony"), servers[1]
 
 
 def chat(client: openai.OpenAI, regex: str = THINK_REGEX, **kwargs: Any) -> Any:
@@ -158,3 +207,52 @@ def test_tool_calls_come_from_the_content_only(served: tuple[openai.OpenAI, Any]
     assert [(n, json.loads(a)) for n, a in calls.values()] == [("get_weather",
                                                                 {"city": "Rome"})]
     assert finish == "tool_calls"
+
+
+# --- gpt-oss's harmony: --reasoning-parser openai_gptoss --tool-call-parser openai -------
+# SmolLM2 spells harmony's markers in plain tokens; the regex makes it write a gpt-oss
+# turn: its thinking, then a call whose city the model picks. The stop string ends the
+# text before <|call|>, as gpt-oss's detokenized text may. (No budget closing: the forced
+# text is long in SmolLM2's tokens, and the closing steps cost time for nothing here.)
+
+def _regex_escape(text: str) -> str:
+    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", text)
+
+
+HARMONY_THINKING = "Hm."
+HARMONY_CALL_REGEX = (
+    _regex_escape(f"<|channel|>analysis<|message|>{HARMONY_THINKING}<|end|><|start|>assistant"
+                  "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                  '<|message|>{"city":"') + '[A-Z][a-z]{2,8}' + _regex_escape('"}<|call|>'))
+
+
+def test_harmony_tool_call_through_the_server(harmony_served: tuple[openai.OpenAI, Any]
+                                              ) -> None:
+    client, tok = harmony_served
+    kwargs: dict[str, Any] = {
+        "temperature": 0, "tools": [WEATHER], "max_tokens": 160,
+        "stop": ["<|call|>"], "extra_body": {"structured_outputs": {
+            "regex": HARMONY_CALL_REGEX, "disable_budget_closing": True}}}
+    r = chat(client, **kwargs)
+    c = r.choices[0]
+    raw = tok.decode(c.token_ids, skip_special_tokens=False)
+    city = re.search(r'\{"city":"([A-Za-z]+)"\}', raw)
+    assert city is not None, raw
+    assert c.message.reasoning_content == c.message.reasoning == HARMONY_THINKING
+    assert [(t.type, t.function.name, json.loads(t.function.arguments))
+            for t in c.message.tool_calls] == [("function", "get_weather",
+                                                {"city": city.group(1)})]
+    assert c.message.content is None and c.finish_reason == "tool_calls"
+    reasoning, calls, content, finish = "", {}, "", None
+    for chunk in chat(client, stream=True, **kwargs):
+        for ch in chunk.choices:
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                if tc.function.name:
+                    calls[tc.index] = [tc.function.name, ""]
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert (reasoning, content, finish) == (HARMONY_THINKING, "", "tool_calls")
+    assert [(n, a) for n, a in calls.values()] == [
+        (t.function.name, t.function.arguments) for t in c.message.tool_calls]

@@ -26,7 +26,12 @@ from forerun.server.tool_calls import (
     plan_tools,
     tool_message,
 )
-from forerun.tool_parsers import Hermes2ProToolParser, ToolParser
+from forerun.tool_parsers import (
+    Hermes2ProToolParser,
+    OpenAIToolParser,
+    ToolParser,
+    ToolParserManager,
+)
 from tests.server_harness import DEFAULT, MODEL, ServerArgs, ServerHandle
 
 slow = pytest.mark.slow
@@ -132,6 +137,95 @@ def test_hermes_stream_holds_back_a_partial_tag_until_it_is_decided() -> None:
     assert d is not None and d.content == "Hi "
     assert p.extract_tool_calls_streaming("Hi <tool_c", "Hi <tool_cat", "at",
                                           finished=True).content == "<tool_cat"
+
+
+# --- the harmony (gpt-oss) parser on crafted text ------------------------------------
+# Shapes from OpenAI's harmony guide: a call is a commentary message addressed to
+# functions.NAME (the recipient after the channel, or before it as gpt-oss's own chat
+# template writes it), optionally <|constrain|>json, ending in <|call|>.
+
+ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather. Use the tool.<|end|>"
+# (text, expected content, expected [(name, arguments)]); content None: none.
+HARMONY_CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
+    (ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+     '<|constrain|>json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>',
+     None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    # The recipient before the channel, right after the prompt's "<|start|>assistant".
+    (' to=functions.add<|channel|>commentary json<|message|>{"a": 1, "b": 2}<|call|>',
+     None, [("add", '{"a": 1, "b": 2}')]),
+    (ANALYSIS + "<|start|>assistant to=functions.add<|channel|>commentary json"
+     '<|message|>{"a": 1, "b": 2}<|call|>', None, [("add", '{"a": 1, "b": 2}')]),
+    # No <|constrain|>, and no <|call|>: the output ends where gpt-oss stopped on it.
+    (ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.add<|message|>"
+     '{"a": 3, "b": 4}', None, [("add", '{"a": 3, "b": 4}')]),
+    # A preamble (commentary, no recipient) is content; two calls in a row.
+    (ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Checking both.<|end|>"
+     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+     '<|message|>{"city": "Oslo", "unit": "celsius"}<|call|>'
+     "<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json"
+     '<|message|>{"a": 5, "b": 6}<|call|>', "Checking both.",
+     [("get_weather", '{"city": "Oslo", "unit": "celsius"}'), ("add", '{"a": 5, "b": 6}')]),
+    # No call: the final channel is the content, the analysis is not.
+    (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>It is 20 C in Paris."
+     "<|return|>", "It is 20 C in Paris.", []),
+    ("Plain text, no header at all < <|", "Plain text, no header at all < <|", []),
+    # Arguments that are not JSON are passed on as written (vLLM keeps the text too).
+    ("<|channel|>commentary to=functions.add <|constrain|>json<|message|>{a: 1,<|call|>",
+     None, [("add", "{a: 1,")]),
+    # A built-in tool's call (browser, python) is not a function call: dropped, as in vLLM.
+    ("<|channel|>analysis to=browser.search code<|message|>{\"query\": \"x\"}<|call|>",
+     None, []),
+]
+
+
+def harmony_result(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    info = OpenAIToolParser().extract_tool_calls(text)
+    assert info.tools_called == bool(info.tool_calls)
+    return info.content, [(c.name, c.arguments) for c in info.tool_calls]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HARMONY_CASES)
+def test_harmony_whole_text_gives_the_calls_and_the_final_text(
+        text: str, content: str | None, calls: list[tuple[str, str]]) -> None:
+    assert harmony_result(text) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HARMONY_CASES)
+def test_harmony_stream_split_anywhere_reassembles_to_the_whole_response(
+        text: str, content: str | None, calls: list[tuple[str, str]]) -> None:
+    expect = (content or "", calls)
+    n = len(text)
+    for i in range(n + 1):
+        assert reassemble(stream_pieces(OpenAIToolParser(), [text[:i], text[i:]])) == expect
+        for j in range(i, min(n, i + 12) + 1):  # every cut of every marker, twice
+            pieces = [text[:i], text[i:j], text[j:]]
+            assert reassemble(stream_pieces(OpenAIToolParser(), pieces)) == expect, (i, j)
+    assert reassemble(stream_pieces(OpenAIToolParser(), list(text))) == expect
+
+
+def test_harmony_stream_sends_a_call_once_its_header_is_whole() -> None:
+    p = OpenAIToolParser()
+    head = "<|channel|>commentary to=functions.add <|constrain|>json<|mess"
+    assert p.extract_tool_calls_streaming("", head, head) is None  # not named yet
+    d = p.extract_tool_calls_streaming(head, head + 'age|>{"a"', 'age|>{"a"')
+    assert d is not None and [(c.index, c.name, c.arguments) for c in d.tool_calls] \
+        == [(0, "add", '{"a"')]
+    d = p.extract_tool_calls_streaming("", head + 'age|>{"a": 1}<|ca', "")
+    assert d is not None and d.tool_calls[0].arguments == ": 1}"  # "<|ca" held back
+
+
+def test_harmony_parser_is_registered_as_openai_and_keeps_special_tokens() -> None:
+    assert ToolParserManager.get_tool_parser("openai") is OpenAIToolParser
+    assert OpenAIToolParser.reads_whole_output and not Hermes2ProToolParser.reads_whole_output
+    body = ChatCompletionRequest(messages=ASK)
+    assert body.skip_special_tokens
+    assert not OpenAIToolParser().adjust_request(body).skip_special_tokens
+    plan = plan_tools(ToolCallConfig(True, "openai"),
+                      SimpleNamespace(tools=TOOLS, tool_choice="auto", parallel_tool_calls=None))
+    assert plan.reads_whole_output
+    message, finish = tool_message(plan, "assistant", HARMONY_CASES[0][0], "stop")
+    assert calls_of(message) == HARMONY_CASES[0][2] and message.content is None
+    assert finish == "tool_calls"
 
 
 def plan_for(tool_choice: Any, parallel: bool = True) -> ToolPlan:

@@ -9,8 +9,10 @@ does not work without the harmony format. The template renders:
 - a developer message with the conversation's system/developer instructions and the
   function tools as a TypeScript-like ``namespace functions``;
 - user turns; assistant turns on the ``final`` channel, or their tool calls on
-  ``commentary`` (after their reasoning on ``analysis``, which the model needs to resume);
-  tool results as messages from ``functions.NAME``;
+  ``commentary`` addressed ``to=functions.NAME`` and ending in ``<|call|>`` (after their
+  reasoning on ``analysis``, which the model needs to resume, and any text beside the
+  calls as a ``commentary`` preamble); tool results as messages from ``functions.NAME``
+  (the call their ``tool_call_id`` names, else their ``name``, else the last call);
 - ``<|start|>assistant`` to open the reply when ``add_generation_prompt`` is set.
 
 Generation ends on ``<|return|>`` (the answer is done) or ``<|call|>`` (a tool call is);
@@ -80,7 +82,7 @@ HARMONY_CHAT_TEMPLATE = r"""
   {{- "\nCalls to these tools must go to the commentary channel: 'functions'." -}}
 {%- endif -%}
 {{- "<|end|>" -}}
-{%- set ns = namespace(instructions=[], last_call="") -%}
+{%- set ns = namespace(instructions=[], last_call="", call_ids=[], call_names=[]) -%}
 {%- for m in messages -%}
   {%- if m.role == "system" or m.role == "developer" -%}
     {%- set ns.instructions = ns.instructions + [m.content] -%}
@@ -105,9 +107,15 @@ HARMONY_CHAT_TEMPLATE = r"""
       {%- if thought -%}
         {{- "<|start|>assistant<|channel|>analysis<|message|>" + thought + "<|end|>" -}}
       {%- endif -%}
+      {#- Text beside the calls is a preamble: commentary without a recipient. -#}
+      {%- if m.content is string and m.content -%}
+        {{- "<|start|>assistant<|channel|>commentary<|message|>" + m.content + "<|end|>" -}}
+      {%- endif -%}
       {%- for call in m.tool_calls -%}
         {%- set fn = call.function if call.function is defined else call -%}
         {%- set ns.last_call = fn.name -%}
+        {%- set ns.call_ids = ns.call_ids + [call.id if call.id is defined else none] -%}
+        {%- set ns.call_names = ns.call_names + [fn.name] -%}
         {{- "<|start|>assistant<|channel|>commentary to=functions." + fn.name -}}
         {{- " <|constrain|>json<|message|>" -}}
         {%- if fn.arguments is string -%}{{- fn.arguments -}}
@@ -121,7 +129,15 @@ HARMONY_CHAT_TEMPLATE = r"""
       {{- "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|end|>" -}}
     {%- endif -%}
   {%- elif m.role == "tool" -%}
-    {%- set name = m.name if m.name is defined and m.name else ns.last_call -%}
+    {#- The function answering: the call its tool_call_id names, else its name, else the
+        last call. -#}
+    {%- set found = namespace(name="") -%}
+    {%- if m.tool_call_id is defined and m.tool_call_id -%}
+      {%- for cid in ns.call_ids -%}
+        {%- if cid == m.tool_call_id -%}{%- set found.name = ns.call_names[loop.index0] -%}{%- endif -%}
+      {%- endfor -%}
+    {%- endif -%}
+    {%- set name = found.name or (m.name if m.name is defined and m.name else ns.last_call) -%}
     {{- "<|start|>functions." + name + " to=assistant<|channel|>commentary<|message|>" -}}
     {{- m.content + "<|end|>" -}}
   {%- endif -%}

@@ -95,6 +95,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             lps = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0,
                                 body.tokens_as_ids)
         reasoning, text = (None, c.text) if rplan is None else rplan.split_whole(c.text)
+        if plan.reads_whole_output:
+            text = c.text  # the parser leaves the reasoning out itself
         message, finish = tool_message(plan, role, text, c.finish_reason)
         if echo and plan.mode == "none":
             message.content = echo + (message.content or "")
@@ -168,14 +170,16 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, rid: str,
                                 c.stop_reason)
                     continue
                 delta, finish = ChatDelta(), c.finish_reason
-                # The reasoning split first; tool calls are read from its content only.
+                # The reasoning split first; tool calls are read from its content only
+                # (a harmony parser reads the whole text and leaves the reasoning out).
                 content_so_far, content_piece = c.text, text
                 if thinking is not None:
                     rd = thinking[i].step(c.text, done[i])
                     put_reasoning(delta, rd.reasoning)
                     content_so_far, content_piece = rd.content_so_far, rd.content
                 if tools is not None:
-                    td = tools[i].delta(content_so_far, done[i])
+                    td = tools[i].delta(c.text if plan.reads_whole_output else content_so_far,
+                                        done[i])
                     finish = tools[i].finish_reason(c.finish_reason)
                     if td is not None:
                         delta.content, delta.tool_calls = td.content, td.tool_calls

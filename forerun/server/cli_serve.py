@@ -60,7 +60,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "--tool-call-parser")
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read from the model's text: hermes "
-                        "(<tool_call>{...}</tool_call>, Qwen2/3, Hermes)")
+                        "(<tool_call>{...}</tool_call>, Qwen2/3, Hermes) or openai "
+                        "(harmony's messages to=functions.NAME, gpt-oss)")
     p.add_argument("--reasoning-parser", default=None,
                    help="split the model's thinking into reasoning_content: "
                         "deepseek_r1, qwen3 (<think>...</think>) or openai_gptoss (harmony)")

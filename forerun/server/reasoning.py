@@ -2,7 +2,8 @@
 and ``reasoning_content`` (vLLM's current and former names), its answer in ``content``.
 
 The split comes first: tool calls are parsed from the content part only, so a model that
-thinks about a ``<tool_call>`` does not call it. Logprobs and token ids stay per token, as
+thinks about a ``<tool_call>`` does not call it (a parser that ``reads_whole_output``,
+harmony's, takes the whole text and skips the reasoning itself). Logprobs and token ids stay per token, as
 without a parser. A request's ``include_reasoning: false`` drops the reasoning (the fields
 are null and no reasoning deltas are streamed).
 """

@@ -161,6 +161,13 @@ class ToolPlan:
             return self.parser_cls(self.tokenizer)
         return None
 
+    @property
+    def reads_whole_output(self) -> bool:
+        """Whether the parser takes the model's whole text, not the reasoning parser's
+        content (harmony: the calls are named in the headers that content drops)."""
+        return self.mode == "auto" and self.parser_cls is not None \
+            and self.parser_cls.reads_whole_output
+
     def adjust_request(self, body: Any) -> Any:
         """The body to run: forced calls as a structured output, the parser's tweaks."""
         if self.schema is not None:

@@ -11,16 +11,18 @@ from forerun.tool_parsers.abstract_tool_parser import (
     ToolParser,
 )
 from forerun.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from forerun.tool_parsers.openai_tool_parser import OpenAIToolParser
 
 __all__ = ["DeltaMessage", "DeltaToolCall", "ExtractedToolCallInformation",
-           "FunctionCallDraft", "Hermes2ProToolParser", "ParsedToolOutput", "ToolParser",
-           "ToolParserManager"]
+           "FunctionCallDraft", "Hermes2ProToolParser", "OpenAIToolParser", "ParsedToolOutput",
+           "ToolParser", "ToolParserManager"]
 
 
 class ToolParserManager:
     """The registry of parsers by name."""
 
-    tool_parsers: dict[str, type[ToolParser]] = {"hermes": Hermes2ProToolParser}
+    tool_parsers: dict[str, type[ToolParser]] = {"hermes": Hermes2ProToolParser,
+                                                 "openai": OpenAIToolParser}
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(slots=True)
@@ -61,6 +61,11 @@ class ToolParser(ABC):
     of its result for the text (content and each call's arguments only grow), which is what
     lets the streamed deltas reassemble exactly to :meth:`extract_tool_calls`.
     """
+
+    # Whether the parser reads the model's whole text even under --reasoning-parser (and
+    # leaves the reasoning out of its content itself), rather than the reasoning parser's
+    # content: harmony's calls are named in headers, which that content no longer holds.
+    reads_whole_output: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.model_tokenizer = tokenizer
