@@ -114,13 +114,14 @@ def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
     """The bodies run in passes of up to 4 activation rows (8 in the 512-bit tile bodies),
     each count its own compiled instance: 2 and 6 rows end on the 2-row one (the Q6_K row
     body's two FMA chains), 33 to 39 rows (many-row tiles for every type; in the AVX2 build
-    the tiles expanded to bytes, ktile_gemm.c, from 16 rows) on the 1- to 7-row ones."""
+    the tiles expanded to bytes, ktile_gemm.c, from 8 rows, 3 or 4 a pass) on the 1- to 7-row
+    ones; 8 and 10 rows are the fewest the AVX2 build expands."""
     n, k = 19, 512
     raw = random_kblocks(qtype, n, k, np.random.default_rng(int(qtype)))
     wd = dequantize(raw, qtype).astype(np.float64)
     lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k)
     x = torch.randn(39, k, generator=torch.Generator().manual_seed(5))
-    for m in (2, 6, 33, 34, 35, 36, 37, 39):
+    for m in (2, 6, 8, 10, 33, 34, 35, 36, 37, 39):
         xd = x[:m].double().numpy()
         for path, lib in gguf_paths:
             _check(_run(lin, x[:m], path, lib), x[:m], _act_oracle(xd) @ wd.T, xd @ wd.T)
