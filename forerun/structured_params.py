@@ -8,7 +8,8 @@ from typing import Any
 # The fields that choose the constraint; exactly one is set.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # Fields that tune how a constraint is compiled rather than choosing one.
-OPTIONS = ("disable_any_whitespace", "disable_budget_closing")
+OPTIONS = ("disable_any_whitespace", "disable_budget_closing", "reasoning_parser",
+           "enable_in_reasoning")
 
 
 @dataclass(slots=True)
@@ -34,6 +35,16 @@ class StructuredOutputsParams:
     output to end as a whole choice or a full match (:mod:`forerun.structured.closing_text`)
     when the budget allows any; its ``finish_reason`` is then ``length``. ``True`` turns
     this off: the output is cut where ``max_tokens`` falls.
+
+    ``reasoning_parser`` (forerun's, per request; vLLM sets it for the engine with
+    ``--reasoning-parser``): the name of a reasoning parser (``deepseek_r1``, ``qwen3``,
+    ``openai_gptoss``); the constraint then applies only to the answer after the model's
+    reasoning, from the first token after the marker that ends it (``</think>``; harmony's
+    ``<|channel|>final...<|message|>``), and neither masks nor advances before. A reasoning
+    that never ends leaves the whole output unconstrained. The server sets it on chat
+    requests from its own ``--reasoning-parser``. ``enable_in_reasoning`` (vLLM's
+    ``--structured-outputs-config`` key, here also per request): ``True`` constrains the
+    whole output, reasoning included, as without a parser.
     """
 
     json: str | dict[str, Any] | None = None
@@ -43,6 +54,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
     disable_budget_closing: bool | None = None
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool | None = None
 
     def __post_init__(self) -> None:
         chosen = [k for k in KINDS if self._is_set(k)]
@@ -70,15 +83,25 @@ class StructuredOutputsParams:
                 self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace: must be a boolean, got "
                              f"{type(self.disable_any_whitespace).__name__}")
-        if self.disable_budget_closing is not None and not isinstance(
-                self.disable_budget_closing, bool):
-            raise ValueError("structured_outputs.disable_budget_closing: must be a boolean, got "
-                             f"{type(self.disable_budget_closing).__name__}")
+        for name in ("disable_budget_closing", "enable_in_reasoning"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name}: must be a boolean, got "
+                                 f"{type(value).__name__}")
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            raise ValueError("structured_outputs.reasoning_parser: must be a string, got "
+                             f"{type(self.reasoning_parser).__name__}")
 
     @property
     def any_whitespace(self) -> bool:
         """Whether a JSON constraint compiles to a grammar that allows any whitespace."""
         return self.disable_any_whitespace is False
+
+    @property
+    def after_reasoning(self) -> str | None:
+        """The reasoning parser whose reasoning the constraint waits out, or None: the
+        constraint applies from the first token."""
+        return None if self.enable_in_reasoning else self.reasoning_parser
 
     @property
     def budget_closing(self) -> bool:

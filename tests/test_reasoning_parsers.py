@@ -351,3 +351,96 @@ def test_gpt_oss_gguf_stops_on_return_and_call_not_on_end(tmp_path: Path) -> Non
     w.write_tensors_to_file()
     w.close()
     assert sorted(_stop_token_ids(GGUFReader(str(path)), "gpt-oss")) == [2, 3, 5]
+
+
+# --- where the answer starts, for structured output after the reasoning -----------------
+
+@pytest.mark.parametrize(("parser_cls", "text", "start"), [
+    (DeepSeekR1ReasoningParser, "Hmm, 4.</think>4", len("Hmm, 4.</think>")),
+    (DeepSeekR1ReasoningParser, "still thinking </thi", None),
+    (DeepSeekR1ReasoningParser, "a</think>b</think>c", len("a</think>")),  # the first
+    (Qwen3ReasoningParser, "<think>x</think>\n\n{", len("<think>x</think>")),
+    (Qwen3ReasoningParser, "<think>x", None),
+    (GptOssReasoningParser, "<|channel|>analysis<|message|>x<|end|><|start|>assistant"
+     "<|channel|>final<|message|>{", len("<|channel|>analysis<|message|>x<|end|>"
+                                         "<|start|>assistant<|channel|>final<|message|>")),
+    (GptOssReasoningParser, "<|channel|>final <|constrain|>json<|message|>",
+     len("<|channel|>final <|constrain|>json<|message|>")),
+    (GptOssReasoningParser, "<|channel|>final <|constr", None),  # header not whole yet
+    # Only the final channel: not commentary (a call), not another name starting "final".
+    (GptOssReasoningParser, "<|channel|>commentary to=functions.f<|message|>{}<|call|>",
+     None),
+    (GptOssReasoningParser, "<|channel|>finalize<|message|>x<|end|><|channel|>final"
+     "<|message|>", len("<|channel|>finalize<|message|>x<|end|><|channel|>final<|message|>")),
+    (GptOssReasoningParser, "<|channel|>analysis<|message|>say <|channel|>final then<|end|>",
+     None),
+])
+def test_answer_start_is_just_past_the_marker_that_ends_the_reasoning(
+        parser_cls: type[ReasoningParser], text: str, start: int | None) -> None:
+    parser = parser_cls()
+    assert parser.answer_start(text) == start
+    if start is not None:  # more text never moves it
+        assert parser.answer_start(text + "</think><|channel|>final<|message|>") == start
+
+
+def test_only_qwen3_reads_a_closed_thought_in_the_prompt() -> None:
+    off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # enable_thinking: false
+    assert Qwen3ReasoningParser().reasoning_ended_in_prompt(off)
+    assert not Qwen3ReasoningParser().reasoning_ended_in_prompt("<|im_start|>assistant\n")
+    assert not Qwen3ReasoningParser().reasoning_ended_in_prompt("</think> then <think>")
+    # deepseek_r1 reads every output as starting inside a thought, whatever the prompt.
+    assert not DeepSeekR1ReasoningParser().reasoning_ended_in_prompt(off)
+
+
+def test_server_puts_chat_grammars_after_the_reasoning_unless_asked_not_to() -> None:
+    from forerun.server.protocol import ChatCompletionRequest
+    from forerun.server.reasoning import plan_reasoning
+
+    def so_of(extra: dict[str, Any], parser: str = "qwen3", forced: bool = False,
+              in_reasoning: bool = False) -> Any:
+        body = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], **extra})
+        plan = plan_reasoning(parser, body, None, in_reasoning)
+        assert plan is not None
+        return plan.adjust_request(body, forced_calls=forced).sampling_params(
+            8).structured_outputs
+
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+    assert so_of({"response_format": schema}).after_reasoning == "qwen3"
+    assert so_of({"guided_regex": "a+"}, "openai_gptoss").after_reasoning == "openai_gptoss"
+    assert so_of({}) is None  # nothing to constrain
+    # The request's own switch (beside response_format, or in a constraint), the server's.
+    assert so_of({"response_format": schema,
+                  "structured_outputs": {"enable_in_reasoning": True}}).after_reasoning \
+        is None
+    assert so_of({"structured_outputs": {"regex": "a", "enable_in_reasoning": True}}) \
+        .after_reasoning is None
+    assert so_of({"guided_regex": "a+"}, in_reasoning=True).after_reasoning is None
+    # Forced calls wait for the reasoning, except gpt-oss's (it calls on commentary).
+    assert so_of({"guided_json": {"type": "object"}}, forced=True).after_reasoning == "qwen3"
+    assert so_of({"guided_json": {"type": "object"}}, "openai_gptoss",
+                 forced=True).after_reasoning is None
+    with pytest.raises(ValueError, match="structured_outputs.reasoning_parser: not a request"):
+        so_of({"structured_outputs": {"regex": "a", "reasoning_parser": "qwen3"}})
+
+
+def test_structured_outputs_config_takes_enable_in_reasoning() -> None:
+    import argparse
+
+    from forerun.server.cli_serve import add_serve_parser, server_config_from_args
+    from forerun.server.config import parse_structured_outputs_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--structured-outputs-config",
+                              '{"enable_in_reasoning": true, "disable_any_whitespace": false}'])
+    config = server_config_from_args(args)
+    assert config.structured_outputs_enable_in_reasoning is True
+    assert config.structured_outputs_disable_any_whitespace is False
+    assert not server_config_from_args(parser.parse_args(["serve"])) \
+        .structured_outputs_enable_in_reasoning
+
+    assert parse_structured_outputs_config('{"enable_in_reasoning": true}') \
+        == {"enable_in_reasoning": True}
+    with pytest.raises(ValueError, match="enable_in_reasoning must be a boolean"):
+        parse_structured_outputs_config('{"enable_in_reasoning": 1}')

@@ -1,6 +1,8 @@
 """--reasoning-parser end to end, through the ``openai`` client: an in-process server
 (engine core in a thread, the app through Starlette's TestClient) on the default model,
-its output forced by a regex so that the thinking and the answer are known.
+its output forced by a regex so that the thinking and the answer are known (with
+``enable_in_reasoning``: a grammar otherwise starts only after the reasoning). The last
+test lets the model think freely and checks that only its answer is constrained.
 
 The raw text of each choice is decoded from its ``token_ids`` (vLLM's return_token_ids),
 so every split is checked against the model's own output, not the parser's account of it.
@@ -14,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -104,7 +107,9 @@ def harmony_served(servers: tuple[Any, Any]) -> tuple[openai.OpenAI, Any]:
 
 
 def chat(client: openai.OpenAI, regex: str = THINK_REGEX, **kwargs: Any) -> Any:
-    extra = {"structured_outputs": {"regex": regex}, "return_token_ids": True,
+    """A chat request whose whole output, thinking included, follows ``regex``."""
+    extra = {"structured_outputs": {"regex": regex, "enable_in_reasoning": True},
+             "return_token_ids": True,
              **kwargs.pop("extra_body", {})}
     kwargs.setdefault("max_tokens", 40)
     return client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra,
@@ -226,15 +231,23 @@ HARMONY_CALL_REGEX = (
                   '<|message|>{"city":"') + '[A-Z][a-z]{2,8}' + _regex_escape('"}<|call|>'))
 
 
-def test_harmony_tool_call_through_the_server(harmony_served: tuple[openai.OpenAI, Any]
-                                              ) -> None:
-    client, tok = harmony_served
-    kwargs: dict[str, Any] = {
-        "temperature": 0, "tools": [WEATHER], "max_tokens": 160,
-        "stop": ["<|call|>"], "extra_body": {"structured_outputs": {
-            "regex": HARMONY_CALL_REGEX, "disable_budget_closing": True}}}
-    r = chat(client, **kwargs)
-    c = r.choices[0]
+HARMONY_KWARGS: dict[str, Any] = {
+    "temperature": 0, "tools": [WEATHER], "max_tokens": 160, "stop": ["<|call|>"],
+    "extra_body": {"structured_outputs": {"regex": HARMONY_CALL_REGEX,
+                                          "disable_budget_closing": True,
+                                          "enable_in_reasoning": True}}}
+
+
+@pytest.fixture(scope="module")
+def harmony_call(harmony_served: tuple[openai.OpenAI, Any]) -> Any:
+    """The non-streamed forced harmony call the streamed one is compared with."""
+    return chat(harmony_served[0], **HARMONY_KWARGS)
+
+
+def test_harmony_tool_call_through_the_server(harmony_served: tuple[openai.OpenAI, Any],
+                                              harmony_call: Any) -> None:
+    _, tok = harmony_served
+    c = harmony_call.choices[0]
     raw = tok.decode(c.token_ids, skip_special_tokens=False)
     city = re.search(r'\{"city":"([A-Za-z]+)"\}', raw)
     assert city is not None, raw
@@ -243,8 +256,13 @@ def test_harmony_tool_call_through_the_server(harmony_served: tuple[openai.OpenA
             for t in c.message.tool_calls] == [("function", "get_weather",
                                                 {"city": city.group(1)})]
     assert c.message.content is None and c.finish_reason == "tool_calls"
+
+
+def test_harmony_tool_call_streamed(harmony_served: tuple[openai.OpenAI, Any],
+                                    harmony_call: Any) -> None:
+    client, _ = harmony_served
     reasoning, calls, content, finish = "", {}, "", None
-    for chunk in chat(client, stream=True, **kwargs):
+    for chunk in chat(client, stream=True, **HARMONY_KWARGS):
         for ch in chunk.choices:
             reasoning += getattr(ch.delta, "reasoning_content", None) or ""
             content += ch.delta.content or ""
@@ -255,4 +273,34 @@ def test_harmony_tool_call_through_the_server(harmony_served: tuple[openai.OpenA
             finish = ch.finish_reason or finish
     assert (reasoning, content, finish) == (HARMONY_THINKING, "", "tool_calls")
     assert [(n, a) for n, a in calls.values()] == [
-        (t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        (t.function.name, t.function.arguments) for t in harmony_call.choices[0].message
+        .tool_calls]
+
+
+# --- structured output after the reasoning ----------------------------------------------
+# SmolLM2 continues a pattern of thoughts and JSON answers on its own (greedy): the thought
+# is the model's, unconstrained; only the answer after </think> follows the schema.
+COUNT = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+         "additionalProperties": False}
+SHOTS = "".join(f'<think>n < {k}!</think>\n{{"n": {k}}}\n' for k in range(1, 5))
+
+
+def test_json_schema_constrains_the_answer_not_the_thought(
+        served: tuple[openai.OpenAI, Any]) -> None:
+    client, tok = served
+    r = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=30,
+        messages=[{"role": "user", "content": "Continue the pattern."},
+                  {"role": "assistant", "content": SHOTS + "<think>"}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "count", "schema": COUNT}},
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "return_token_ids": True})
+    c = r.choices[0]
+    # The thought holds what the schema forbids ("<", "!", bare letters): it was free; had
+    # the grammar started at the first token, there would be no </think> and no content.
+    assert re.search("[<!]", c.message.reasoning_content), c.message.reasoning_content
+    jsonschema.validate(json.loads(c.message.content), COUNT)
+    assert raw_text(tok, c.token_ids) == (f"{c.message.reasoning_content}</think>"
+                                          f"{c.message.content}")
+    assert c.finish_reason == "stop"

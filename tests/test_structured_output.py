@@ -299,3 +299,153 @@ def test_a_grammar_that_takes_too_long_fails_alone(async_on):
     assert got["plain"][-1].finish_reason == "length"
     assert [o.finish_reason for o in got["slow"]] == ["error"]
     assert core.stats().scheduler.num_grammar_compile_errors == 1
+
+
+# ----- structured output after the reasoning (reasoning_parser) --------------------------
+# A scripted "model": it wants to write its script token by token, but a step's grammar
+# mask wins (it then takes the lowest id the mask allows), and it records whether each of
+# its outputs was masked. Scripts are SmolLM2 token ids, the grammar backend's vocabulary.
+
+class _ScriptedExecutor(FakeExecutor):
+    def __init__(self, script: dict[str, list[int]]) -> None:
+        super().__init__()
+        self.script = script
+        self.masked: dict[str, list[bool]] = {}
+
+    def sample_tokens(self, grammar_bitmask: object = None):
+        fut = super().sample_tokens(grammar_bitmask)
+        out = fut.result()
+        rows = ({} if grammar_bitmask is None
+                else {r: i for i, r in enumerate(grammar_bitmask.req_ids)})
+        for rid, ids in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            if not ids:
+                continue
+            done = self.masked.setdefault(rid, [])
+            script = self.script[rid]
+            token = script[len(done)] if len(done) < len(script) else EOS
+            if rid in rows:
+                words = grammar_bitmask.bitmask[rows[rid]].tolist()
+                allowed = [32 * w + b for w, word in enumerate(words) for b in range(32)
+                           if (word >> b) & 1]
+                if token not in allowed:
+                    token = allowed[0]
+            done.append(rid in rows)
+            ids[0] = self.sampled[rid][-1] = token
+        return fut
+
+
+def _scripted(grammar_backend, async_on: bool, reqs: list[tuple[str, list[int], S]],
+              scripts: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Each request's output ids and masked-or-not flags, run on the scripted model."""
+    executor = _ScriptedExecutor(scripts)
+    core = _core(async_on, StructuredOutputManager(grammar_backend), executor)
+    for rid, prompt, so in reqs:
+        params = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=so)
+        params.update_from_model([EOS])
+        core.add_request(Request(rid, prompt, params))
+    got = _run(core)
+    kv = core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_blocks
+    ids = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()}
+    for rid, outs in got.items():
+        assert outs[-1].finish_reason == "stop", (rid, outs[-1])
+    # Async scheduling samples once more past the stop token; that sample is dropped.
+    masked = {rid: flags[:len(ids[rid])] for rid, flags in executor.masked.items()}
+    return ids, masked
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+THREE_DIGITS = S(regex="[0-9]{3}")
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_the_grammar_starts_at_the_token_after_the_reasoning_ends(
+        grammar_backend, smollm2_tokenizer, async_on):
+    tok = smollm2_tokenizer
+    # The thinking holds what [0-9]{3} forbids; the answer's first wish ("x") is forbidden.
+    think = {"deepseek_r1": _ids(tok, "Hm, <a> {b} & 'c'?") + _ids(tok, "</think>"),
+             "openai_gptoss": _ids(tok, "<|channel|>analysis<|message|>Hm, 'x'!<|end|>"
+                                        "<|start|>assistant")
+             + _ids(tok, "<|channel|>final <|constrain|>json<|message|>")}
+    answer = _ids(tok, "x12") + _ids(tok, "34")
+    prompt = _ids(tok, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    reqs = [(name, prompt, S(regex="[0-9]{3}", reasoning_parser=name)) for name in think]
+    reqs.append(("plain", prompt, THREE_DIGITS))  # no parser: masked from the first token
+    scripts = {name: think[name] + answer for name in think}
+    scripts["plain"] = think["deepseek_r1"] + answer
+    ids, masked = _scripted(grammar_backend, async_on, reqs, scripts)
+    for name, reasoning in think.items():
+        n = len(reasoning)
+        # Every reasoning token as scripted (nothing masked), the marker's last included;
+        # masked from the next token on, so the forbidden "x" was replaced.
+        assert ids[name][:n] == reasoning
+        assert masked[name] == [False] * n + [True] * (len(ids[name]) - n)
+        assert ids[name][n] != answer[0]
+        text = tok.decode(ids[name][n:], skip_special_tokens=True)
+        assert re.fullmatch("[0-9]{3}", text), text
+    assert all(masked["plain"]) and ids["plain"][0] != scripts["plain"][0]
+    assert re.fullmatch("[0-9]{3}", tok.decode(ids["plain"], skip_special_tokens=True))
+
+
+def test_reasoning_gate_is_the_same_under_sync_and_async_scheduling(grammar_backend,
+                                                                    smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    script = _ids(tok, "ok") + _ids(tok, "</think>") + _ids(tok, '{"n": 7}')
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    reqs = [(f"r{i}", _ids(tok, f"prompt {i}"), S(json=schema, reasoning_parser="qwen3"))
+            for i in range(3)]
+    # r1's prompt closed the thought already (Qwen3 with thinking off): masked at once.
+    reqs[1] = ("r1", _ids(tok, "q<think>\n\n</think>\n\n"), reqs[1][2])
+    scripts = {rid: script for rid, _, _ in reqs}
+    sync, sync_masked = _scripted(grammar_backend, False, reqs, scripts)
+    async_, async_masked = _scripted(grammar_backend, True, reqs, scripts)
+    assert sync == async_ and sync_masked == async_masked
+    assert all(sync_masked["r1"]) and not any(sync_masked["r0"][:4])
+    for rid in ("r0", "r2"):
+        assert json.loads(tok.decode(sync[rid][4:], skip_special_tokens=True)) == {"n": 7}
+    jsonschema.validate(json.loads(tok.decode(sync["r1"], skip_special_tokens=True)), schema)
+
+
+def test_enable_in_reasoning_constrains_the_reasoning_too(grammar_backend,
+                                                         smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    so = S(regex="[0-9]{3}", reasoning_parser="deepseek_r1", enable_in_reasoning=True)
+    assert so.after_reasoning is None and S(**{**so.to_dict(), "enable_in_reasoning": None}) \
+        .after_reasoning == "deepseek_r1"
+    script = _ids(tok, "Hm</think>123")
+    ids, masked = _scripted(grammar_backend, False, [("r", _ids(tok, "p"), so)],
+                            {"r": script})
+    assert all(masked["r"]) and ids["r"][0] != script[0]
+
+
+def test_an_unknown_reasoning_parser_is_refused_before_it_runs():
+    with pytest.raises(ValueError, match="structured_outputs.reasoning_parser: .*known: "
+                                         "deepseek_r1, openai_gptoss, qwen3"):
+        validate_structured_outputs(S(regex="a", reasoning_parser="r1"))
+    with pytest.raises(ValueError, match="reasoning_parser: must be a string"):
+        S(regex="a", reasoning_parser=1)
+
+
+def test_the_model_thinks_freely_then_answers_in_json_sync_and_async(llm_cache):
+    # SmolLM2 continues the pattern on its own (greedy): its thought holds "<" and "!",
+    # which the schema forbids; only what follows its </think> is constrained.
+    count = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+             "additionalProperties": False}
+    shots = "".join(f'<think>n < {k}!</think>\n{{"n": {k}}}\n' for k in range(1, 5))
+    prompts = [shots + "<think>", "Count up.\n" + shots + "<think>"]
+    params = [greedy(30, S(json=count, reasoning_parser="deepseek_r1")),
+              seeded(30, 11, S(json=count, reasoning_parser="deepseek_r1"))]
+    outs = {}
+    for mode in ("off", "on"):
+        llm = llm_cache(async_scheduling=mode)
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_all_blocks_free(llm)
+    assert [o.token_ids for o in outs["off"]] == [o.token_ids for o in outs["on"]]
+    for o in outs["on"]:
+        thought, sep, answer = o.text.partition("</think>")
+        assert sep and re.search("[<!]", thought), o.text
+        jsonschema.validate(json.loads(answer), count)
+        assert o.finish_reason == "stop"

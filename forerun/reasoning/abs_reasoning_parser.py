@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 SegmentKind = Literal["reasoning", "content", "markup"]
 
@@ -82,6 +82,10 @@ class ReasoningParser(ABC):
     lets the streamed deltas reassemble exactly to :meth:`extract_reasoning`.
     """
 
+    # Whether a forced tool call's grammar (tool_choice required or named) also waits for
+    # the reasoning to end: only where the answer is where the model would put a call.
+    forced_calls_after_reasoning: ClassVar[bool] = True
+
     def __init__(self, tokenizer: Any = None) -> None:
         self.model_tokenizer = tokenizer
         self._sent_reasoning = 0
@@ -94,6 +98,21 @@ class ReasoningParser(ABC):
     @abstractmethod
     def split(self, text: str, finished: bool) -> ReasoningSplit:
         """The segments of ``text``; ``finished``: no more text will come."""
+
+    @abstractmethod
+    def answer_start(self, text: str) -> int | None:
+        """Where the answer begins in ``text`` (the output so far): the index just past the
+        marker that ends the reasoning, or None while the model is still reasoning.
+
+        Structured output constrains only what follows (vLLM's ``is_reasoning_end``): the
+        engine asks this of each longer output until it answers. Once the marker is found
+        more text must not move it.
+        """
+
+    def reasoning_ended_in_prompt(self, prompt: str) -> bool:
+        """Whether the prompt already closed the reasoning, so that the whole output is the
+        answer (Qwen3's template with ``enable_thinking: false``)."""
+        return False
 
     def extract_reasoning(self, model_output: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole response; None where there is none."""

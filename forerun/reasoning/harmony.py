@@ -21,6 +21,7 @@ from forerun.reasoning.abs_reasoning_parser import ReasoningParser, ReasoningSpl
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 REASONING_CHANNEL = "analysis"
+ANSWER_CHANNEL = "final"
 # What ends a body: a terminator, or a new header the model began without one.
 _BODY_STOPS = (END, RETURN, CALL, START, CHANNEL)
 _TERMINATORS = (END, RETURN, CALL)
@@ -50,12 +51,33 @@ def channel_of(header: str) -> str:
 class GptOssReasoningParser(ReasoningParser):
     """The harmony reader: analysis-channel messages are reasoning, the rest content."""
 
+    # gpt-oss calls functions on the commentary channel, never on final, where the answer
+    # (and a grammar after the reasoning) starts: a forced call is constrained from the
+    # first token instead, as without the parser.
+    forced_calls_after_reasoning = False
+
     def adjust_request(self, request: Any) -> Any:
         # The harmony markers are special tokens of gpt-oss's tokenizer: skipping special
         # tokens in the output text would erase the very structure this parser reads.
         if getattr(request, "skip_special_tokens", False):
             return request.model_copy(update={"skip_special_tokens": False})
         return request
+
+    def answer_start(self, text: str) -> int | None:
+        # The answer is the final channel's message: it starts after the <|message|> of the
+        # first header naming that channel (``<|channel|>final``, maybe ``<|constrain|>``).
+        opening = CHANNEL + ANSWER_CHANNEL
+        at = text.find(opening)
+        while at >= 0:
+            body = text.find(MESSAGE, at)
+            if body < 0:
+                return None  # the header is still being written
+            header = text[at:body]
+            if channel_of(header) == ANSWER_CHANNEL and _first_of(header, 0, _TERMINATORS
+                                                                   + (START,))[0] < 0:
+                return body + len(MESSAGE)
+            at = text.find(opening, at + 1)
+        return None
 
     def split(self, text: str, finished: bool) -> ReasoningSplit:
         out = ReasoningSplit()

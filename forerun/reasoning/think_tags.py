@@ -28,7 +28,12 @@ def _thought_then_answer(text: str, pos: int, finished: bool, out: ReasoningSpli
 
 
 class _ThinkTagParser(ReasoningParser):
-    """What both tag parsers share: keeping the tags in the text where they are special."""
+    """What both tag parsers share: keeping the tags in the text where they are special, and
+    the answer starting after the first ``</think>``."""
+
+    def answer_start(self, text: str) -> int | None:
+        end = text.find(THINK_END)
+        return None if end < 0 else end + len(THINK_END)
 
     def adjust_request(self, request: Any) -> Any:
         # Most tokenizers give <think> as a plain added token, which the output text keeps;
@@ -62,6 +67,11 @@ class DeepSeekR1ReasoningParser(_ThinkTagParser):
 class Qwen3ReasoningParser(_ThinkTagParser):
     """Qwen3 (``qwen3``): reasoning only inside ``<think>...</think>``; an output without
     the start tag (``enable_thinking=False``) is all content."""
+
+    def reasoning_ended_in_prompt(self, prompt: str) -> bool:
+        # Qwen3's template with thinking off ends the prompt with an empty thought; the
+        # model then answers at once, with no <think> of its own.
+        return prompt.rfind(THINK_END) > prompt.rfind(THINK_START)
 
     def split(self, text: str, finished: bool) -> ReasoningSplit:
         out = ReasoningSplit()

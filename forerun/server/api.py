@@ -76,7 +76,9 @@ def build_app(engine: AsyncLLM, model_name: str, server: ServerConfig | None = N
                                                     server.tool_call_parser),
                          chat_template=server.chat_template,
                          disable_any_whitespace=server.structured_outputs_disable_any_whitespace,
-                         reasoning_parser=server.reasoning_parser)
+                         reasoning_parser=server.reasoning_parser,
+                         structured_enable_in_reasoning=(
+                             server.structured_outputs_enable_in_reasoning))
     created = now_s()
     limit = server.max_request_body_bytes
 

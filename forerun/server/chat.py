@@ -74,9 +74,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     plan = plan_tools(ctx.tool_config, body, ctx.engine.tokenizer)
     ids = await off_loop_if_big(body_bytes, chat_prompt_ids, ctx, body, plan)
     body = plan.adjust_request(body)
-    rplan = plan_reasoning(ctx.reasoning_parser, body, ctx.engine.tokenizer)
+    rplan = plan_reasoning(ctx.reasoning_parser, body, ctx.engine.tokenizer,
+                           ctx.structured_enable_in_reasoning)
     if rplan is not None:
-        body = rplan.adjust_request(body)
+        body = rplan.adjust_request(body, forced_calls=plan.schema is not None)
     rid, engine_id = request_ids(request, "chatcmpl")
     streams = await start_requests(ctx, body, engine_id, [{"prompt_token_ids": ids}],
                                    body.requested_max_tokens, None, body_bytes)

@@ -82,8 +82,8 @@ async def create_batch_chat_completion(ctx: ServingContext, body: BatchChatCompl
             prompts.append({"prompt_token_ids": chat_prompt_ids(ctx, conv, plan)})
         except APIError as err:
             raise _in_conversation(err, i) from None
-    rplans = [plan_reasoning(ctx.reasoning_parser, conv, ctx.engine.tokenizer)
-              for conv in convs]
+    rplans = [plan_reasoning(ctx.reasoning_parser, conv, ctx.engine.tokenizer,
+                             ctx.structured_enable_in_reasoning) for conv in convs]
     convs = [conv if rp is None else rp.adjust_request(conv)
              for conv, rp in zip(convs, rplans, strict=True)]
     rid, engine_id = request_ids(request, "chatcmpl")

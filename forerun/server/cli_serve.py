@@ -72,7 +72,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help='vLLM\'s JSON object; forerun reads "disable_any_whitespace" (the '
                         "server-wide whitespace mode of JSON constraints; false allows any "
                         "whitespace, true only one space after ',' and ':' -- unset, forerun's "
-                        'compact default) and "backend" (auto or xgrammar)')
+                        'compact default), "enable_in_reasoning" (true: with '
+                        "--reasoning-parser, constrain the reasoning too; by default the "
+                        'grammar starts after it) and "backend" (auto or xgrammar)')
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    default=True, help="run the engine core in a thread of the API process")
     p.add_argument("--log-level", default="info",
@@ -132,15 +134,15 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=_read_template(args.chat_template),
-        structured_outputs_disable_any_whitespace=_structured_whitespace(
-            args.structured_outputs_config),
+        structured_outputs_disable_any_whitespace=_structured_config(
+            args.structured_outputs_config).get("disable_any_whitespace"),
+        structured_outputs_enable_in_reasoning=_structured_config(
+            args.structured_outputs_config).get("enable_in_reasoning", False),
     )
 
 
-def _structured_whitespace(text: str | None) -> bool | None:
-    if text is None:
-        return None
-    return parse_structured_outputs_config(text).get("disable_any_whitespace")
+def _structured_config(text: str | None) -> dict[str, Any]:
+    return {} if text is None else parse_structured_outputs_config(text)
 
 
 def _read_template(value: str | None) -> str | None:

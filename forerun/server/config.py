@@ -63,6 +63,9 @@ class ServerConfig:
     # --structured-outputs-config '{"disable_any_whitespace": ...}': the whitespace mode of
     # JSON constraints for requests that do not choose one (None: forerun's compact one).
     structured_outputs_disable_any_whitespace: bool | None = None
+    # '{"enable_in_reasoning": true}': with --reasoning-parser, structured output constrains
+    # the reasoning too (False, vLLM's default: it starts once the reasoning ends).
+    structured_outputs_enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -95,7 +98,7 @@ class ServerConfig:
 
 # vLLM's StructuredOutputsConfig keys that forerun reads; a backend other than xgrammar
 # (forerun's only one) is refused rather than ignored.
-_STRUCTURED_CONFIG_KEYS = ("backend", "disable_any_whitespace")
+_STRUCTURED_CONFIG_KEYS = ("backend", "disable_any_whitespace", "enable_in_reasoning")
 
 
 def parse_structured_outputs_config(text: str) -> dict[str, Any]:
@@ -113,8 +116,8 @@ def parse_structured_outputs_config(text: str) -> dict[str, Any]:
     if value.get("backend", "auto") not in ("auto", "xgrammar"):
         raise ValueError("--structured-outputs-config: backend must be 'auto' or 'xgrammar' "
                          f"(forerun's), got {value['backend']!r}")
-    if not isinstance(value.get("disable_any_whitespace", False), bool):
-        raise ValueError("--structured-outputs-config: disable_any_whitespace must be a "
-                         "boolean")
+    for key in ("disable_any_whitespace", "enable_in_reasoning"):
+        if not isinstance(value.get(key, False), bool):
+            raise ValueError(f"--structured-outputs-config: {key} must be a boolean")
     return value
 

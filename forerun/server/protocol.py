@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from forerun.sampling_params import ALL_LOGPROBS, INT64_MAX, SamplingParams
 from forerun.server.structured import structured_outputs_of
@@ -147,6 +148,9 @@ class _BaseRequest(TextCheckedRequest):
 
     # Unknown fields are ignored (with a log line), like OpenAI ignores what it doesn't know.
     model_config = ConfigDict(extra="allow", **_STRICT)
+    # Set by the server, never by a body: the --reasoning-parser whose reasoning the
+    # request's structured output waits out (forerun/server/reasoning.py).
+    _grammar_after_reasoning: str | None = PrivateAttr(default=None)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -290,6 +294,24 @@ class _BaseRequest(TextCheckedRequest):
             raise ValueError(f"truncate_prompt_tokens: must be -1 or at least 1, got {k}")
         return k
 
+    def with_grammar_after_reasoning(self, parser_name: str) -> Any:
+        """A copy whose structured output (if any) starts after ``parser_name``'s reasoning
+        ends, unless the request asked for ``enable_in_reasoning``."""
+        body = self.model_copy()
+        body._grammar_after_reasoning = parser_name
+        return body
+
+    def _structured_outputs(self) -> Any:
+        so = structured_outputs_of({
+            "response_format": self.response_format,
+            "structured_outputs": self.structured_outputs,
+            "guided_json": self.guided_json, "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
+        })
+        if so is not None and self._grammar_after_reasoning is not None:
+            so = dataclasses.replace(so, reasoning_parser=self._grammar_after_reasoning)
+        return so
+
     def sampling_params(self, max_tokens: int | None,
                         truncate_prompt_tokens: int | None = None) -> SamplingParams:
         """SamplingParams for this body; ValueErrors start with the offending field."""
@@ -320,12 +342,7 @@ class _BaseRequest(TextCheckedRequest):
             n=self.n,
             extra_args=None if self.kv_transfer_params is None
             else {"kv_transfer_params": self.kv_transfer_params},
-            structured_outputs=structured_outputs_of({
-                "response_format": self.response_format,
-                "structured_outputs": self.structured_outputs,
-                "guided_json": self.guided_json, "guided_regex": self.guided_regex,
-                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
-            }),
+            structured_outputs=self._structured_outputs(),
         )
 
 

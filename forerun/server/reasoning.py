@@ -3,9 +3,15 @@ and ``reasoning_content`` (vLLM's current and former names), its answer in ``con
 
 The split comes first: tool calls are parsed from the content part only, so a model that
 thinks about a ``<tool_call>`` does not call it (a parser that ``reads_whole_output``,
-harmony's, takes the whole text and skips the reasoning itself). Logprobs and token ids stay per token, as
-without a parser. A request's ``include_reasoning: false`` drops the reasoning (the fields
-are null and no reasoning deltas are streamed).
+harmony's, takes the whole text and skips the reasoning itself). Logprobs and token ids
+stay per token, as without a parser. A request's ``include_reasoning: false`` drops the
+reasoning (the fields are null and no reasoning deltas are streamed).
+
+Structured output (``response_format``, ``structured_outputs``, ``guided_*``, forced tool
+calls) constrains only the answer: the engine starts the grammar at the first token after
+the reasoning ends (``forerun/structured/reasoning_gate.py``), as vLLM does, unless the
+request's ``structured_outputs`` says ``enable_in_reasoning: true`` or the server was
+started with ``--structured-outputs-config '{"enable_in_reasoning": true}'``.
 """
 
 from __future__ import annotations
@@ -24,12 +30,22 @@ class ReasoningPlan:
     parser_cls: type[ReasoningParser]
     tokenizer: Any
     include: bool = True
+    name: str = ""  # the parser's registered name, which the engine's grammar gate takes
+    # --structured-outputs-config's enable_in_reasoning: grammars constrain the reasoning.
+    grammar_in_reasoning: bool = False
 
     def new_parser(self) -> ReasoningParser:
         return self.parser_cls(self.tokenizer)
 
-    def adjust_request(self, body: Any) -> Any:
-        return self.new_parser().adjust_request(body)
+    def adjust_request(self, body: Any, forced_calls: bool = False) -> Any:
+        """The body to run: the parser's tweaks, and its structured output (if any) put
+        after the reasoning. ``forced_calls``: that structured output is a forced tool
+        call, which waits only where the parser's answer can hold one."""
+        body = self.new_parser().adjust_request(body)
+        if self.grammar_in_reasoning or (
+                forced_calls and not self.parser_cls.forced_calls_after_reasoning):
+            return body
+        return body.with_grammar_after_reasoning(self.name)
 
     def split_whole(self, text: str) -> tuple[str | None, str]:
         """(reasoning, content) of a whole response; the content "" when there is none,
@@ -46,12 +62,14 @@ class ReasoningPlan:
             message.content = None
 
 
-def plan_reasoning(parser_name: str | None, body: Any, tokenizer: Any) -> ReasoningPlan | None:
+def plan_reasoning(parser_name: str | None, body: Any, tokenizer: Any,
+                   grammar_in_reasoning: bool = False) -> ReasoningPlan | None:
     """The request's plan, or None when the server has no reasoning parser."""
     if parser_name is None:
         return None
     return ReasoningPlan(ReasoningParserManager.get_reasoning_parser(parser_name), tokenizer,
-                         include=getattr(body, "include_reasoning", True) is not False)
+                         include=getattr(body, "include_reasoning", True) is not False,
+                         name=parser_name, grammar_in_reasoning=grammar_in_reasoning)
 
 
 class ChoiceReasoningStream:

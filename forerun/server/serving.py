@@ -42,6 +42,9 @@ class ServingContext:
     disable_any_whitespace: bool | None = None
     # --reasoning-parser's name (forerun/server/reasoning.py); None: no reasoning split.
     reasoning_parser: str | None = None
+    # --structured-outputs-config's enable_in_reasoning: a grammar constrains the
+    # reasoning too, rather than starting after it.
+    structured_enable_in_reasoning: bool = False
 
 
 def request_ids(request: Any, prefix: str, sep: str = "-") -> tuple[str, str]:

@@ -3,8 +3,9 @@
 Accepted: OpenAI's ``response_format`` (``json_schema``, ``json_object``, ``text``),
 vLLM's ``structured_outputs`` object, and vLLM's older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar``. At most one may ask for a constraint. A
-``structured_outputs`` object that holds only options (``disable_any_whitespace``) applies
-them to the constraint another field asks for, as in vLLM.
+``structured_outputs`` object that holds only options (``disable_any_whitespace``,
+``enable_in_reasoning``, ...) applies them to the constraint another field asks for, as in
+vLLM. ``reasoning_parser`` is the server's to set (from ``--reasoning-parser``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def structured_outputs_of(fields: dict[str, Any]) -> StructuredOutputsParams | N
     """The one constraint the body asks for, or None; ValueError names the bad field."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     so = fields.get("structured_outputs")
+    if isinstance(so, dict) and "reasoning_parser" in so:
+        raise ValueError("structured_outputs.reasoning_parser: not a request field; the "
+                         "server's --reasoning-parser sets it (send enable_in_reasoning: "
+                         "true to constrain the reasoning too)")
     options: dict[str, Any] = {}
     if isinstance(so, dict) and so and not any(k in so for k in KINDS) and all(
             k in OPTIONS for k in so) and _asks_elsewhere(fields):

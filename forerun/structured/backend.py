@@ -93,6 +93,13 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     rejects a bad spec before the request is queued; the costly, tokenizer-dependent
     compilation happens later on the backend's thread.
     """
+    if params.reasoning_parser is not None:
+        from forerun.reasoning import ReasoningParserManager
+
+        try:
+            ReasoningParserManager.get_reasoning_parser(params.reasoning_parser)
+        except KeyError as e:
+            raise ValueError(f"structured_outputs.reasoning_parser: {e.args[0]}") from None
     kind = params.kind
     import xgrammar as xgr
 
@@ -163,6 +170,7 @@ class XgrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
         self._tokenizer_info: xgr.TokenizerInfo | None = None
+        self._token_bytes: list[bytes] | None = None
         self._closing_planner: ClosingPlanner | None = None
         self._text_closing_planner: TextClosingPlanner | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers,
@@ -179,16 +187,24 @@ class XgrammarBackend:
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         return self._compiler
 
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's text as bytes, as xgrammar decodes the vocabulary (special tokens
+        as their own text); built on first use, after a compilation."""
+        if self._token_bytes is None:
+            self._get_compiler()
+            assert self._tokenizer_info is not None
+            self._token_bytes = list(self._tokenizer_info.decoded_vocab)
+        return self._token_bytes
+
     def closing_planner(self) -> ClosingPlanner:
         """The budget-aware ending's planner (built on first use, after a compilation)."""
         if self._closing_planner is None:
-            self._get_compiler()
-            assert self._tokenizer_info is not None
+            token_bytes = self.token_bytes()
             tokenizer = self._tokenizer_factory()
             special = set(getattr(tokenizer, "all_special_ids", []) or [])
             special.update(self._stop_token_ids)
-            self._closing_planner = ClosingPlanner(
-                tokenizer, list(self._tokenizer_info.decoded_vocab), self.vocab_size, special)
+            self._closing_planner = ClosingPlanner(tokenizer, token_bytes, self.vocab_size,
+                                                   special)
         return self._closing_planner
 
     def text_closing_planner(self) -> TextClosingPlanner:

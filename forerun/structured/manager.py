@@ -22,6 +22,7 @@ from forerun.structured.closing import (
     only_token,
 )
 from forerun.structured.closing_text import TextClosingState
+from forerun.structured.reasoning_gate import ReasoningGate
 from forerun.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -64,6 +65,20 @@ class StructuredOutputRequest:
     # The budget-aware ending's state (JSON; choice and regex in TextClosingState; none
     # for an EBNF grammar or with disable_budget_closing).
     closing: ClosingState | TextClosingState | None = None
+    # With a reasoning_parser: the grammar waits until the reasoning ends.
+    gate: ReasoningGate | None = None
+
+    def num_answer_tokens(self, num_output_tokens: int) -> int:
+        """How many of the output tokens the grammar has seen (those after the reasoning)."""
+        if self.gate is None:
+            return num_output_tokens
+        done = self.gate.num_reasoning_tokens
+        return 0 if done is None else num_output_tokens - done
+
+    @property
+    def grammar_applies(self) -> bool:
+        """Whether the next token is the grammar's to mask (not while reasoning)."""
+        return self.gate is None or self.gate.is_open
 
 
 @dataclass(slots=True)
@@ -99,7 +114,9 @@ class StructuredOutputManager:
 
         params = StructuredOutputsParams.from_any(request.sampling_params.structured_outputs)
         request.structured_output_request = StructuredOutputRequest(
-            params, self.backend.compile_async(params), time.monotonic())
+            params, self.backend.compile_async(params), time.monotonic(),
+            gate=None if params.after_reasoning is None
+            else ReasoningGate.for_parser(params.after_reasoning))
         request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
     def wait_for_any(self, requests: list[Request], timeout_s: float) -> None:
@@ -137,6 +154,8 @@ class StructuredOutputManager:
             return self._fail(request, so_req, f"grammar compilation failed: {exc}")
         so_req.grammar = self.backend.new_grammar(future.result())
         so_req.future = None
+        if so_req.gate is not None:
+            so_req.gate.start(self._text(request.prompt_token_ids), request.num_output_tokens)
         params = so_req.params
         if params.budget_closing:
             if params.kind == "choice":
@@ -156,11 +175,24 @@ class StructuredOutputManager:
         logger.error("request %s: %s", request.request_id, why)
         return Readiness.FAILED
 
+    def _text(self, token_ids: list[int]) -> str:
+        """The tokens' text as the grammar's vocabulary spells it (markers are ASCII, so a
+        character split across tokens, shown as U+FFFD, cannot hide one)."""
+        token_bytes = self.backend.token_bytes()
+        return b"".join(token_bytes[t] for t in token_ids
+                        if 0 <= t < len(token_bytes)).decode("utf-8", "replace")
+
     def accept_token(self, request: Request, token_id: int) -> GrammarEvent:
-        """Advance the request's matcher by one delivered token."""
+        """Advance the request's matcher by one delivered token (call it before the token
+        is appended to the request's output). While the request reasons the token goes to
+        its gate instead, and the matcher stays where it is."""
         so_req: StructuredOutputRequest = request.structured_output_request
         grammar = so_req.grammar
         assert grammar is not None, f"{request.request_id} produced a token before its grammar"
+        gate = so_req.gate
+        if gate is not None and not gate.is_open:
+            gate.feed(self._text([token_id]), request.num_output_tokens)
+            return GrammarEvent.ACCEPTED
         if not grammar.accept_token(token_id):
             self.stats.num_rejected_tokens += 1
             logger.error("request %s: the grammar rejected token %d after %d tokens",
@@ -196,11 +228,14 @@ class StructuredOutputManager:
             if (request is None or request.is_finished() or not request.use_structured_output
                     or request.is_prefill_chunk):
                 continue
-            grammar = request.structured_output_request.grammar
+            so_req: StructuredOutputRequest = request.structured_output_request
+            if not so_req.grammar_applies:
+                continue  # still reasoning: no mask
+            grammar = so_req.grammar
             # The only unknown token may be the one this step samples.
             assert request.num_output_placeholders <= 1, request
-            assert grammar.num_accepted == request.num_output_tokens, (
-                request, grammar.num_accepted)
+            assert grammar.num_accepted == so_req.num_answer_tokens(
+                request.num_output_tokens), (request, grammar.num_accepted)
             rows.append((req_id, grammar))
         if not rows:
             return None
