@@ -27,7 +27,7 @@ _BODY_STOPS = (END, RETURN, CALL, START, CHANNEL)
 _TERMINATORS = (END, RETURN, CALL)
 
 
-def _first_of(text: str, pos: int, markers: tuple[str, ...]) -> tuple[int, str]:
+def first_of(text: str, pos: int, markers: tuple[str, ...]) -> tuple[int, str]:
     """The earliest of ``markers`` in ``text`` from ``pos``: (index, marker), or (-1, "")."""
     best, which = -1, ""
     for m in markers:
@@ -37,15 +37,29 @@ def _first_of(text: str, pos: int, markers: tuple[str, ...]) -> tuple[int, str]:
     return best, which
 
 
-def channel_of(header: str) -> str:
-    """The channel a header names (``<|channel|>NAME`` up to a space or a token), or ""."""
-    i = header.find(CHANNEL)
+def header_field(header: str, marker: str) -> str:
+    """What follows ``marker`` in a header, up to a space or a token, or "" without it."""
+    i = header.find(marker)
     if i < 0:
         return ""
-    name = header[i + len(CHANNEL):]
+    name = header[i + len(marker):]
     for stop in (" ", "<|"):
         name = name.split(stop, 1)[0]
     return name
+
+
+def channel_of(header: str) -> str:
+    """The channel a header names (``<|channel|>NAME``), or ""."""
+    return header_field(header, CHANNEL)
+
+
+def keep_special_tokens(request: Any) -> Any:
+    """``request`` with ``skip_special_tokens`` off: the harmony markers are special tokens
+    of gpt-oss's tokenizer, and skipping them in the output text would erase the headers
+    (channels, recipients) the harmony readers parse."""
+    if getattr(request, "skip_special_tokens", False):
+        return request.model_copy(update={"skip_special_tokens": False})
+    return request
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -57,11 +71,7 @@ class GptOssReasoningParser(ReasoningParser):
     forced_calls_after_reasoning = False
 
     def adjust_request(self, request: Any) -> Any:
-        # The harmony markers are special tokens of gpt-oss's tokenizer: skipping special
-        # tokens in the output text would erase the very structure this parser reads.
-        if getattr(request, "skip_special_tokens", False):
-            return request.model_copy(update={"skip_special_tokens": False})
-        return request
+        return keep_special_tokens(request)
 
     def answer_start(self, text: str) -> int | None:
         # The answer is the final channel's message: it starts after the <|message|> of the
@@ -73,7 +83,7 @@ class GptOssReasoningParser(ReasoningParser):
             if body < 0:
                 return None  # the header is still being written
             header = text[at:body]
-            if channel_of(header) == ANSWER_CHANNEL and _first_of(header, 0, _TERMINATORS
+            if channel_of(header) == ANSWER_CHANNEL and first_of(header, 0, _TERMINATORS
                                                                    + (START,))[0] < 0:
                 return body + len(MESSAGE)
             at = text.find(opening, at + 1)
@@ -83,7 +93,7 @@ class GptOssReasoningParser(ReasoningParser):
         out = ReasoningSplit()
         pos, kind = 0, "content"  # text before any header: plain content
         while pos < len(text):
-            at, marker = _first_of(text, pos, _BODY_STOPS)
+            at, marker = first_of(text, pos, _BODY_STOPS)
             if at < 0:
                 hold = 0 if finished else held_back(text[pos:], _BODY_STOPS)
                 out.add(kind, text[pos:len(text) - hold])

@@ -35,6 +35,9 @@ from forerun.reasoning.harmony import (
     RETURN,
     START,
     channel_of,
+    first_of,
+    header_field,
+    keep_special_tokens,
 )
 from forerun.tool_parsers.abstract_tool_parser import (
     FunctionCallDraft,
@@ -52,23 +55,8 @@ _Kind = Literal["content", "call", "drop"]
 
 
 def recipient_of(header: str) -> str:
-    """The recipient a header names (``to=NAME`` up to a space or a token), or ""."""
-    i = header.find(RECIPIENT)
-    if i < 0:
-        return ""
-    name = header[i + len(RECIPIENT):]
-    for stop in (" ", "<|"):
-        name = name.split(stop, 1)[0]
-    return name
-
-
-def _first_of(text: str, pos: int, markers: tuple[str, ...]) -> tuple[int, str]:
-    best, which = -1, ""
-    for m in markers:
-        i = text.find(m, pos)
-        if i >= 0 and (best < 0 or i < best):
-            best, which = i, m
-    return best, which
+    """The recipient a header names (``to=NAME``), or ""."""
+    return header_field(header, RECIPIENT)
 
 
 def _opens_with_recipient(text: str) -> bool | None:
@@ -88,11 +76,7 @@ class OpenAIToolParser(ToolParser):
     reads_whole_output = True
 
     def adjust_request(self, request: Any) -> Any:
-        # The harmony markers are special tokens of gpt-oss's tokenizer: skipping them in
-        # the output text would erase the headers that name the function.
-        if getattr(request, "skip_special_tokens", False):
-            return request.model_copy(update={"skip_special_tokens": False})
-        return request
+        return keep_special_tokens(request)
 
     def parse(self, text: str, finished: bool) -> ParsedToolOutput:
         content: list[str] = []
@@ -117,7 +101,7 @@ class OpenAIToolParser(ToolParser):
             kind = self._open(text[:at], calls)
             pos = at + len(MESSAGE)
         while pos < len(text):
-            at, marker = _first_of(text, pos, _BODY_STOPS)
+            at, marker = first_of(text, pos, _BODY_STOPS)
             if at < 0:
                 hold = 0 if finished else held_back(text[pos:], _BODY_STOPS)
                 add(text[pos:len(text) - hold])
