@@ -79,11 +79,7 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice: must be non-empty strings, "
                                  "at least one")
             self.choice = list(self.choice)
-        if self.disable_any_whitespace is not None and not isinstance(
-                self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.disable_any_whitespace: must be a boolean, got "
-                             f"{type(self.disable_any_whitespace).__name__}")
-        for name in ("disable_budget_closing", "enable_in_reasoning"):
+        for name in ("disable_any_whitespace", "disable_budget_closing", "enable_in_reasoning"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"structured_outputs.{name}: must be a boolean, got "
