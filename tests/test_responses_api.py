@@ -238,7 +238,9 @@ def test_function_tools_named_and_required(http: httpx.Client, client: openai.Op
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input[0].content[0].type"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning"}]}, "input"),  # earlier thinking is dropped
+    ({"input": [{"type": "file_search_call"}]}, "input[0].type"),
+    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": 5}}}},
      "text.format.schema"),
@@ -282,3 +284,145 @@ def test_all_blocks_free_afterwards(server: ServerHandle) -> None:
     m = wait_idle(server)
     assert m["forerun:kv_cache_usage_perc"] == 0.0
     assert m["forerun:num_requests_running"] == 0
+
+
+# --- --reasoning-parser: the builders on scripted token streams (no model, no server) ---
+# Each case: a parser, the model's text in tokens, how the engine ended it, and the oracle
+# written out by hand: the text cut at its markers into (thinking, answer), and the tokens
+# up to the marker that ends the thinking (all of them when it never ends).
+
+THOUGHTS = [
+    ("deepseek_r1", ["<think>", "Two", " and", " two", "</", "think", ">", "Four", "."],
+     "stop", "Two and two", "Four.", 7),
+    # The template opened the thought: the output starts inside it.
+    ("deepseek_r1", ["Hm", "m", "</think>", "\n", "Yes"], "stop", "Hmm", "\nYes", 3),
+    # Cut by max_output_tokens inside the thought: all thinking, an empty answer.
+    ("deepseek_r1", ["<think>", "still", " going"], "length", "still going", "", 3),
+    ("qwen3", ["Just", " an", " answer"], "stop", None, "Just an answer", 0),
+    # Text before the thought: the message item comes first.
+    ("qwen3", ["Hi", " <th", "ink>", "x", "</think>", "y"], "stop", "x", "Hi y", 5),
+    ("openai_gptoss", ["<|channel|>", "analysis", "<|message|>", "Think", "<|end|>",
+                       "<|start|>assistant", "<|channel|>final", "<|message|>", "Done",
+                       "<|return|>"], "stop", "Think", "Done", 8),
+    # No reasoning parser: the tags stay in the text, as before.
+    (None, ["<think>", "a", "</think>", "b"], "stop", None, "<think>a</think>b", 0),
+]
+
+
+def _scripted_run(parser: str | None, pieces: list[str], tools: Any = None) -> tuple:
+    """(run, chat request, tool plan, reasoning plan) for a scripted response."""
+    from types import SimpleNamespace
+
+    from forerun.server.reasoning import plan_reasoning
+    from forerun.server.responses_api import _Run
+    from forerun.server.responses_protocol import ResponsesRequest
+    from forerun.server.tool_calls import ToolCallConfig, plan_tools
+    from tests.scripted_outputs import PieceTokenizer
+
+    tok = PieceTokenizer(pieces)
+    body = ResponsesRequest(input="x", tools=tools)
+    chat = body.to_chat()
+    plan = plan_tools(ToolCallConfig(True, "hermes"), chat, tok)
+    rplan = plan_reasoning(parser, chat, tok)
+    if rplan is not None:
+        chat = rplan.adjust_request(chat)
+    config = SimpleNamespace(enable_prefix_caching=False, block_size=16)
+    ctx = SimpleNamespace(model_name=MODEL, engine=SimpleNamespace(config=config))
+    return _Run(ctx, body, "resp_1", 0), chat, plan, rplan  # type: ignore[arg-type]
+
+
+def _scripted_events(parser: str | None, pieces: list[str], finish: str,
+                     tools: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(the stream's events, validated; the non-streamed output's items as JSON)."""
+    import asyncio
+
+    import msgspec
+
+    from forerun.server.responses_api import _output_items, _status, _stream
+    from tests.scripted_outputs import ScriptedStream, collect
+
+    run, chat, plan, rplan = _scripted_run(parser, pieces, tools)
+    script = ScriptedStream(pieces, finish)
+    raw = asyncio.run(collect(_stream(run, chat, script, plan, rplan)))
+    events = [json.loads(chunk.split(b"\ndata: ", 1)[1]) for chunk in raw]
+    for e in events:
+        EVENTS.validate_python(e)
+    assert script.aborted and [e["sequence_number"] for e in events] == list(
+        range(len(events)))
+    Response.model_validate(events[-1]["response"])
+    c = script.outputs()[-1].outputs[0]
+    whole = _output_items(plan, rplan, c.text, finish, _status(finish))
+    return events, msgspec.to_builtins(whole)
+
+
+def _without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+@pytest.mark.parametrize("parser, pieces, finish, thought, answer, n_thought", THOUGHTS)
+def test_reasoning_item_streamed_and_whole_agree(
+        parser: str | None, pieces: list[str], finish: str, thought: str | None,
+        answer: str, n_thought: int) -> None:
+    events, whole = _scripted_events(parser, pieces, finish)
+    final = events[-1]["response"]
+    # The non-streamed items, whatever their ids.
+    assert _without_ids(final["output"]) == _without_ids(whole)
+    kinds = [item["type"] for item in final["output"]]
+    assert sorted(kinds) == (["message"] if thought is None else ["message", "reasoning"])
+    message = next(i for i in final["output"] if i["type"] == "message")
+    assert message["content"][0]["text"] == answer
+    if thought is not None:
+        item = next(i for i in final["output"] if i["type"] == "reasoning")
+        assert item["summary"] == [] and item["content"] == [
+            {"type": "reasoning_text", "text": thought}]
+        assert item["status"] == ("completed" if finish == "stop" or answer
+                                  else "incomplete")
+    # The deltas add up to each item, under its id and output_index.
+    for i, item in enumerate(final["output"]):
+        kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+        mine = [e for e in events if e.get("item_id") == item["id"]]
+        assert {e["output_index"] for e in mine} == {i}
+        text = item["content"][0]["text"]
+        assert "".join(e["delta"] for e in mine if e["type"] == f"response.{kind}.delta") \
+            == text
+        assert [e["text"] for e in mine if e["type"] == f"response.{kind}.done"] == [text]
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [i["id"] for i in final["output"]] and len(done) == len(added)
+    assert sorted(_without_ids(done), key=str) == sorted(_without_ids(whole), key=str)
+    # usage counts the thinking's tokens, its end marker included.
+    usage = final["usage"]
+    assert usage["output_tokens"] == len(pieces)
+    assert usage["output_tokens_details"]["reasoning_tokens"] == n_thought
+
+
+def test_reasoning_item_before_tool_calls_read_from_the_answer() -> None:
+    # With tools the items are sent whole once parsed; a call the model only thinks about
+    # is not made.
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    pieces = ["<think>", "<tool_call>x</tool_call>", "</think>", call]
+    events, whole = _scripted_events("deepseek_r1", pieces, "stop", tools=[WEATHER])
+    final = events[-1]["response"]
+    assert _without_ids(final["output"]) == _without_ids(whole)
+    assert [i["type"] for i in final["output"]] == ["reasoning", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "<tool_call>x</tool_call>"
+    assert (final["output"][1]["name"], json.loads(final["output"][1]["arguments"])) == (
+        "get_weather", {"city": "Rome"})
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
+
+
+def test_reasoning_input_items_and_effort_map_onto_chat() -> None:
+    from forerun.server.responses_protocol import ResponsesRequest
+
+    # A client sends the earlier output back whole; the earlier thinking is left out, as
+    # chat templates leave it out of the prompt.
+    body = ResponsesRequest(input=[
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "greet back"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Hello"}]},
+        {"role": "user", "content": "Bye"}], reasoning={"effort": "low", "summary": "auto"})
+    chat = body.to_chat()
+    assert [m["content"] for m in chat.messages] == ["Hi", "Hello", "Bye"]
+    assert chat.reasoning_effort == "low"

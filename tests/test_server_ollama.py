@@ -169,6 +169,10 @@ BAD: list[tuple[str, dict[str, Any], int, str]] = [
     ("/api/generate", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/api/generate", {"model": MODEL, "prompt": "x", "think": True}, 400,
      "does not support thinking"),
+    ("/api/chat", {"model": MODEL, "messages": CHAT, "think": "low"}, 400,
+     "does not support thinking"),  # without --reasoning-parser
+    ("/api/chat", {"model": MODEL, "messages": CHAT, "think": "max"}, 400,
+     'invalid think value: "max"'),
     ("/api/generate", {"model": MODEL, "prompt": "x", "raw": True, "system": "s"}, 400,
      "raw mode"),
     ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x",
@@ -225,3 +229,97 @@ def test_api_key_guards_ollama_routes_too(path: str) -> None:
     assert not reached and sent[0]["status"] == 401
     asyncio.run(guard({**scope, "headers": [(b"authorization", b"Bearer k")]}, receive, send))
     assert reached == [path]
+
+
+# --- think with --reasoning-parser: the reply builder on scripted token streams ----------
+THOUGHT = ["<think>", "Two", " and", " two", "</", "think", ">", "Four", "."]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+
+
+def _replies(pieces: list[str], chat: bool, think: bool,
+             tools: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]],
+                                                                 dict[str, Any]]:
+    """(the NDJSON lines, the one object) of a scripted deepseek_r1 reply."""
+    import asyncio
+
+    from forerun.server.ollama_protocol import OllamaEngineRequest
+    from forerun.server.ollama_writer import ResponseWriter, Timing
+    from forerun.server.reasoning import plan_reasoning
+    from forerun.server.tool_calls import ToolCallConfig, plan_tools
+    from tests.scripted_outputs import PieceTokenizer, ScriptedStream, collect
+
+    tok = PieceTokenizer(pieces)
+    req = OllamaEngineRequest.model_validate({"messages": CHAT, "include_reasoning": think,
+                                              "tools": tools})
+    plan = plan_tools(ToolCallConfig(True, "hermes"), req, tok)
+    rplan = plan_reasoning("deepseek_r1", req, tok)
+
+    def writer() -> ResponseWriter:
+        return ResponseWriter(MODEL, chat, plan, Timing(0), rplan)
+
+    lines = asyncio.run(collect(writer().lines(ScriptedStream(pieces))))
+    whole = asyncio.run(writer().whole(ScriptedStream(pieces)))
+    return [json.loads(line) for line in lines], whole
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("think", [True, False])
+def test_think_splits_streamed_and_whole_alike(chat: bool, think: bool) -> None:
+    lines, whole = _replies(THOUGHT, chat, think)
+    # /api/chat: message.thinking beside message.content; /api/generate: thinking beside
+    # response. Oracle: the text cut at </think>; think false drops the thinking.
+    part = (lambda o: o["message"]) if chat else (lambda o: o)
+    text_key = "content" if chat else "response"
+    want = "Two and two" if think else None
+    assert part(whole).get("thinking") == want and part(whole)[text_key] == "Four."
+    streamed = "".join(part(o).get("thinking", "") for o in lines)
+    assert (streamed or None) == want
+    assert "".join(part(o)[text_key] for o in lines) == "Four."
+    assert not any("thinking" in part(o) and part(o)[text_key] for o in lines)
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == whole["eval_count"] == len(THOUGHT)
+
+
+def test_think_tool_calls_come_from_the_answer_only() -> None:
+    pieces = ["<think>", "<tool_call>x</tool_call>", "</think>", CALL]
+    lines, whole = _replies(pieces, True, True, TOOLS)
+    for message in (whole["message"], lines[-2]["message"]):
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in message["tool_calls"]] == [("get_weather", {"city": "Rome"})]
+    assert whole["message"]["thinking"] == "<tool_call>x</tool_call>"
+    assert whole["message"]["content"] == ""
+    assert "".join(o["message"].get("thinking", "") for o in lines) == "<tool_call>x</tool_call>"
+
+
+def test_think_maps_onto_the_chat_request() -> None:
+    from types import SimpleNamespace
+
+    from forerun.server.ollama import _check_think, _thinking_fields
+    from forerun.server.ollama_protocol import ChatRequest, OllamaError
+
+    def ctx(parser: str | None, template: str = "") -> Any:
+        tok = SimpleNamespace(chat_template=template)
+        return SimpleNamespace(reasoning_parser=parser, chat_template=None,
+                               engine=SimpleNamespace(tokenizer=tok))
+
+    def body(think: Any) -> ChatRequest:
+        return ChatRequest.model_validate({"model": MODEL, "messages": CHAT, "think": think})
+
+    qwen3 = ctx("qwen3", "{%- if enable_thinking is defined and not enable_thinking %}")
+    # Ollama: an absent think is on for a thinking model; a template that takes
+    # enable_thinking (Qwen3's) is told either way.
+    assert _thinking_fields(qwen3, None) == {
+        "include_reasoning": True, "chat_template_kwargs": {"enable_thinking": True}}
+    assert _thinking_fields(qwen3, False) == {
+        "include_reasoning": False, "chat_template_kwargs": {"enable_thinking": False}}
+    assert _thinking_fields(ctx("deepseek_r1"), False) == {"include_reasoning": False}
+    harmony = ctx("openai_gptoss")
+    _check_think(harmony, body("low"))
+    assert _thinking_fields(harmony, "low") == {"include_reasoning": True,
+                                                "reasoning_effort": "low"}
+    for c, think, says in [(qwen3, "high", 'think value "high" is not supported'),
+                           (harmony, "max", "invalid think value"),
+                           (ctx(None), True, "does not support thinking")]:
+        with pytest.raises(OllamaError) as err:
+            _check_think(c, body(think))
+        assert err.value.status == 400 and says in err.value.message
+    _check_think(ctx(None), body(False))

@@ -304,3 +304,58 @@ def test_json_schema_constrains_the_answer_not_the_thought(
     assert raw_text(tok, c.token_ids) == (f"{c.message.reasoning_content}</think>"
                                           f"{c.message.content}")
     assert c.finish_reason == "stop"
+
+
+# --- the same split on /v1/responses and Ollama's /api/chat ------------------------------
+# The pattern as earlier turns of the conversation: SmolLM2 (greedy) answers the next one
+# the same way, thinking on its own and then answering in the schema (a bare integer: the
+# fewest tokens to decode).
+COUNT_TURNS = [m for k in (1, 2, 3) for m in (
+    {"role": "user", "content": f"Count {k}."},
+    {"role": "assistant", "content": f"<think>{k}!</think>{k}"})] + [
+    {"role": "user", "content": "Count 4."}]
+INTEGER = {"type": "integer"}
+
+
+def test_responses_reasoning_item_streamed_before_a_schema_answer(
+        servers: tuple[Any, Any]) -> None:
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    http, _ = servers
+    body = {"model": MODEL, "input": COUNT_TURNS, "temperature": 0, "max_output_tokens": 30,
+            "stream": True, "text": {"format": {"type": "json_schema", "name": "count",
+                                                "schema": INTEGER}}}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ")]
+    check = TypeAdapter(ResponseStreamEvent)
+    for e in events:
+        check.validate_python(e)
+    final = events[-1]["response"]
+    Response.model_validate(final)
+    thought, message = final["output"]
+    assert (thought["type"], message["type"]) == ("reasoning", "message")
+    reasoning = thought["content"][0]["text"]
+    # The thought was free (the schema allows no "<" or "!"); the answer follows the schema.
+    assert re.search("[<!]", reasoning), reasoning
+    jsonschema.validate(json.loads(message["content"][0]["text"]), INTEGER)
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == reasoning and final["status"] == "completed"
+    usage = final["usage"]
+    assert 0 < usage["output_tokens_details"]["reasoning_tokens"] < usage["output_tokens"]
+
+
+def test_ollama_think_returns_thinking_beside_a_format_answer(
+        servers: tuple[Any, Any]) -> None:
+    http, _ = servers
+    assert "thinking" in http.post("/api/show", json={"model": MODEL}).json()["capabilities"]
+    r = http.post("/api/chat", json={
+        "model": MODEL, "messages": COUNT_TURNS, "think": True, "stream": False,
+        "format": INTEGER, "options": {"temperature": 0, "num_predict": 30}})
+    assert r.status_code == 200, r.text
+    message = r.json()["message"]
+    assert re.search("[<!]", message["thinking"]), message
+    jsonschema.validate(json.loads(message["content"]), INTEGER)
+    assert "</think>" not in message["content"] + message["thinking"]

@@ -6,6 +6,11 @@ plan, structured output and ``start_requests`` as ``/v1/chat/completions``; the 
 outputs are written back as Ollama's NDJSON stream or one object. Errors are Ollama's
 ``{"error": "..."}`` with Ollama's status (400 bad field, 404 unknown model). What differs
 from Ollama, and why, is in docs/serving.md.
+
+``think`` needs ``--reasoning-parser`` (without it: Ollama's 400 for a model that does not
+think); with it the thinking comes back in ``message.thinking`` (``/api/chat``) or
+``thinking`` (``/api/generate``), split by the same parser as chat's ``reasoning``, and
+``format`` constrains the answer after it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from forerun.server.ollama_protocol import (
     template_messages,
 )
 from forerun.server.ollama_writer import ResponseWriter, Timing
+from forerun.server.reasoning import plan_reasoning
 from forerun.server.serving import ServingContext, request_ids, start_requests
 from forerun.server.tool_calls import ToolPlan, plan_tools
 
@@ -144,7 +150,9 @@ def register_ollama_routes(app: FastAPI, ctx: ServingContext, body_limit: int) -
         return JSONResponse({
             "modelfile": "", "parameters": "", "template": template,
             "details": f.details(), "model_info": f.model_info(),
-            "capabilities": list(CAPABILITIES), "modified_at": f.modified_at})
+            # Ollama lists "thinking" for models whose thinking it can split off.
+            "capabilities": [*CAPABILITIES, *(["thinking"] if ctx.reasoning_parser else [])],
+            "modified_at": f.modified_at})
 
     @app.post("/api/show")
     async def show(request: Request) -> Response:
@@ -206,10 +214,43 @@ def _check_model(ctx: ServingContext, name: str) -> None:
         raise OllamaError(404, f"model '{name}' not found")
 
 
-def _refuse_unsupported(body: ChatRequest | GenerateRequest) -> None:
+# Ollama's think levels (gpt-oss's reasoning effort); booleans switch thinking on or off.
+THINK_LEVELS = ("high", "medium", "low")
+
+
+def _check_think(ctx: ServingContext, body: ChatRequest | GenerateRequest) -> None:
+    """``think`` as Ollama takes it: thinking needs a model whose thinking the server can
+    split off (here: --reasoning-parser), and levels only gpt-oss's harmony format."""
+    think = body.think
+    if isinstance(think, str) and think not in THINK_LEVELS:
+        raise OllamaError(400, f'invalid think value: "{think}" (must be "high", "medium", '
+                               '"low", true, or false)')
+    if ctx.reasoning_parser is None:
+        if think is not None and think is not False:
+            raise OllamaError(400, f'"{body.model}" does not support thinking')
+    elif isinstance(think, str) and ctx.reasoning_parser != "openai_gptoss":
+        raise OllamaError(400, f'think value "{think}" is not supported for this model')
+
+
+def _thinking_fields(ctx: ServingContext, think: bool | str | None) -> dict[str, Any]:
+    """The chat request's fields for ``think`` under a reasoning parser. As in Ollama, an
+    absent ``think`` is on for a thinking model; off, the thinking is left out of the
+    reply, and a template that takes ``enable_thinking`` (Qwen3's) is told, as Ollama's
+    templates are (the model then answers without thinking). A level is the template's
+    ``reasoning_effort`` (gpt-oss's harmony template writes it in its system message)."""
+    on = think is not False
+    fields: dict[str, Any] = {"include_reasoning": on}
+    template = ctx.chat_template or getattr(ctx.engine.tokenizer, "chat_template", None)
+    if "enable_thinking" in str(template or ""):
+        fields["chat_template_kwargs"] = {"enable_thinking": on}
+    if isinstance(think, str):
+        fields["reasoning_effort"] = think
+    return fields
+
+
+def _refuse_unsupported(ctx: ServingContext, body: ChatRequest | GenerateRequest) -> None:
     model = body.model
-    if body.think is not None and body.think is not False:
-        raise OllamaError(400, f'"{model}" does not support thinking')
+    _check_think(ctx, body)
     if body.logprobs or body.top_logprobs:
         raise OllamaError(400, "logprobs: not supported by forerun's Ollama API (use "
                                "/v1/chat/completions with logprobs)")
@@ -253,6 +294,8 @@ def _tool_choice(ctx: ServingContext, body: ChatRequest) -> str | dict[str, Any]
 def _engine_request(ctx: ServingContext, body: ChatRequest | GenerateRequest,
                     options: dict[str, Any]) -> OllamaEngineRequest:
     fields: dict[str, Any] = {**sampling_fields(options), **format_fields(body.format)}
+    if ctx.reasoning_parser is not None:
+        fields.update(_thinking_fields(ctx, body.think))
     if isinstance(body, ChatRequest):
         fields["messages"] = template_messages(body.messages)
         fields["tools"] = body.tools
@@ -299,7 +342,7 @@ def _max_tokens(ctx: ServingContext, options: dict[str, Any], n_prompt: int) -> 
 async def _generate(ctx: ServingContext, body: ChatRequest | GenerateRequest, request: Request,
                     t0: int, body_bytes: int, chat: bool) -> Response:
     _check_model(ctx, body.model)
-    _refuse_unsupported(body)
+    _refuse_unsupported(ctx, body)
     empty = not body.messages if isinstance(body, ChatRequest) else not body.prompt
     if empty:  # Ollama's "load the model" request: it is always loaded here
         reply: dict[str, Any] = {"model": body.model, "created_at": rfc3339(), "done": True,
@@ -313,12 +356,16 @@ async def _generate(ctx: ServingContext, body: ChatRequest | GenerateRequest, re
     # Templating and tokenising a big body run off the event loop, as on /v1.
     ids = await off_loop_if_big(body_bytes, _prompt_ids, ctx, body, req, plan)
     req = plan.adjust_request(req)
+    rplan = plan_reasoning(ctx.reasoning_parser, req, ctx.engine.tokenizer,
+                           ctx.structured_enable_in_reasoning)
+    if rplan is not None:  # format (and forced calls) after the thinking, as on chat
+        req = rplan.adjust_request(req, forced_calls=plan.schema is not None)
     max_tokens = _max_tokens(ctx, options, len(ids))
     _, engine_id = request_ids(request, "ollama")
     (stream,) = await start_requests(ctx, req, engine_id, [{"prompt_token_ids": ids}],
                                      max_tokens, None, body_bytes)
     timing = Timing(t0, time.perf_counter_ns())
-    writer = ResponseWriter(body.model, chat, plan, timing)
+    writer = ResponseWriter(body.model, chat, plan, timing, rplan)
     if body.stream is not False:  # Ollama streams unless told not to (null too)
         return StreamingResponse(writer.lines(stream), media_type="application/x-ndjson")
     try:

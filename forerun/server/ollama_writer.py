@@ -1,5 +1,6 @@
 """Ollama's replies from the engine's outputs: NDJSON chunks or one object, the closing
-``done`` chunk with its counts and durations, and tool calls in Ollama's shape."""
+``done`` chunk with its counts and durations, tool calls in Ollama's shape, and (with a
+reasoning parser) the thinking in ``thinking`` beside the content."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from forerun.engine.core_client import EngineDeadError
 from forerun.outputs import RequestOutput
 from forerun.server.ollama_models import rfc3339
 from forerun.server.ollama_protocol import OllamaError
+from forerun.server.reasoning import ChoiceReasoningStream, ReasoningPlan
 from forerun.server.tool_calls import ChoiceToolStream, ToolPlan, tool_message
 
 logger = logging.getLogger(__name__)
@@ -50,31 +52,52 @@ class Timing:
 class ResponseWriter:
     """The engine's outputs of one request as Ollama's chunks (chat or generate)."""
 
-    def __init__(self, model: str, chat: bool, plan: ToolPlan, timing: Timing) -> None:
+    def __init__(self, model: str, chat: bool, plan: ToolPlan, timing: Timing,
+                 rplan: ReasoningPlan | None = None) -> None:
         self.model, self.chat, self.plan, self.timing = model, chat, plan, timing
+        self.rplan = rplan
         # Forced calls are JSON, not text: shown only as tool_calls once whole.
         self.quiet = plan.mode in ("required", "named")
         self.tools = ChoiceToolStream(plan) if plan.mode == "auto" else None
+        self.thinking = ChoiceReasoningStream(rplan) if rplan is not None else None
         self.sent = 0  # characters of the text already streamed
 
-    def chunk(self, text: str, **extra: Any) -> dict[str, Any]:
+    def chunk(self, text: str, thinking: str | None = None, **extra: Any) -> dict[str, Any]:
+        """One reply object; ``thinking`` only when there is some (Ollama omits it)."""
         out: dict[str, Any] = {"model": self.model, "created_at": rfc3339()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                out["message"]["thinking"] = thinking
         else:
             out["response"] = text
+            if thinking:
+                out["thinking"] = thinking
         out["done"] = False
         out.update(extra)
         return out
 
-    def content(self, text: str, finished: bool) -> str:
-        """What the text so far adds to the reply's visible content."""
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(thinking, answer) of a whole output: the thinking None when there is none or
+        the request turned it off (``think: false``)."""
+        if self.rplan is None:
+            return None, text
+        reasoning, content = self.rplan.split_whole(text)
+        return (reasoning if self.rplan.include else None), content
+
+    def pieces(self, text: str, finished: bool) -> tuple[str, str]:
+        """What the text so far adds to the reply's (thinking, visible content)."""
+        thought, answer, piece = "", text, text[self.sent:]
+        if self.thinking is not None:  # the split first: tools read the answer only
+            d = self.thinking.step(text, finished)
+            thought, answer, piece = d.reasoning or "", d.content_so_far, d.content or ""
         if self.quiet:
-            return ""
+            return thought, ""
         if self.tools is not None:
-            d = self.tools.delta(text, finished)
-            return d.content if d is not None and isinstance(d.content, str) else ""
-        return text[self.sent:]
+            # harmony's parser reads the whole text and skips the thinking itself
+            d = self.tools.delta(text if self.plan.reads_whole_output else answer, finished)
+            return thought, d.content if d is not None and isinstance(d.content, str) else ""
+        return thought, piece
 
     def end(self, out: RequestOutput) -> list[dict[str, Any]]:
         """The closing chunks: the tool calls (whole), then ``done`` with the counts."""
@@ -85,13 +108,16 @@ class ResponseWriter:
                                    "compile in time)")
         closing: list[dict[str, Any]] = []
         if self.plan.mode != "none":
-            message, _ = tool_message(self.plan, "assistant", c.text, c.finish_reason)
+            answer = self.split(c.text)[1]
+            message, _ = tool_message(self.plan, "assistant",
+                                      c.text if self.plan.reads_whole_output else answer,
+                                      c.finish_reason)
             calls = _ollama_calls(message.tool_calls)
             if calls:
                 closing.append(self.chunk(""))
                 closing[-1]["message"]["tool_calls"] = calls
-            elif self.quiet and c.text:
-                closing.append(self.chunk(c.text))  # cut short: what was written
+            elif self.quiet and answer:
+                closing.append(self.chunk(answer))  # cut short: what was written
         done = self.chunk("", **self.timing.final(out))
         if not self.chat:
             done["context"] = [*out.prompt_token_ids, *c.token_ids]
@@ -104,10 +130,10 @@ class ResponseWriter:
                 self.timing.saw(out)
                 last = out
                 c = out.outputs[0]
-                piece = self.content(c.text, c.finish_reason is not None)
+                thought, piece = self.pieces(c.text, c.finish_reason is not None)
                 self.sent = len(c.text)
-                if piece:
-                    yield _line(self.chunk(piece))
+                if piece or thought:
+                    yield _line(self.chunk(piece, thought))
             assert last is not None
             for chunk in self.end(last):
                 yield _line(chunk)
@@ -129,17 +155,24 @@ class ResponseWriter:
         assert last is not None
         *closing, done = self.end(last)
         c = last.outputs[0]
+        thought, answer = self.split(c.text)
         if not self.chat:
-            done["response"] = c.text
+            done["response"] = answer
+            if thought:
+                done["thinking"] = thought
             return done
         calls = [t for ch in closing for t in ch["message"].get("tool_calls", [])]
         if self.quiet:  # forced calls: text only when cut short before a whole call
             content = "".join(ch["message"]["content"] for ch in closing)
         elif self.plan.mode == "auto":
-            content = tool_message(self.plan, "assistant", c.text, c.finish_reason)[0].content
+            content = tool_message(self.plan, "assistant",
+                                   c.text if self.plan.reads_whole_output else answer,
+                                   c.finish_reason)[0].content
         else:
-            content = c.text
+            content = answer
         done["message"] = {"role": "assistant", "content": content or ""}
+        if thought:
+            done["message"]["thinking"] = thought
         if calls:
             done["message"]["tool_calls"] = calls
         return done

@@ -1,5 +1,7 @@
 """``--reasoning-parser`` on /v1/chat/completions: the model's thinking in ``reasoning``
 and ``reasoning_content`` (vLLM's current and former names), its answer in ``content``.
+/v1/responses (a ``reasoning`` item) and Ollama's ``/api/chat`` / ``/api/generate``
+(``thinking``) split it with the same plan and streams.
 
 The split comes first: tool calls are parsed from the content part only, so a model that
 thinks about a ``<tool_call>`` does not call it (a parser that ``reads_whole_output``,
@@ -16,6 +18,7 @@ started with ``--structured-outputs-config '{"enable_in_reasoning": true}'``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +55,44 @@ class ReasoningPlan:
         as the tool-call stage takes text."""
         reasoning, content = self.new_parser().extract_reasoning(text)
         return reasoning, content or ""
+
+    def reasoning_first(self, text: str, finished: bool = True) -> bool:
+        """Whether the reasoning in ``text`` begins before its content (the order the
+        Responses API lists their output items in); True when either is missing."""
+        parsed = self.new_parser().split(text, finished)
+        kinds = [s.kind for s in parsed.segments if s.kind != "markup"]
+        return not kinds or kinds[0] == "reasoning"
+
+    def reasoning_ended(self, text: str) -> bool:
+        """Whether ``text`` (an output so far) holds the marker that ends the reasoning."""
+        return self.new_parser().answer_start(text) is not None
+
+    def reasoning_token_count(self, token_ids: Sequence[int], reasoning: str | None,
+                              skip_special_tokens: bool = True) -> int:
+        """How many output tokens the reasoning took, the marker that ends it included (the
+        count the engine's grammar gate keeps): none without reasoning, all of them when
+        the reasoning never ended. The end is found by bisecting the token prefixes'
+        texts, which works because once a text holds the end of the reasoning every
+        longer one holds it at the same place (``answer_start``'s contract)."""
+        if not reasoning or not token_ids:
+            return 0
+        parser = self.new_parser()
+
+        def ended(k: int) -> bool:
+            text = self.tokenizer.decode(list(token_ids[:k]),
+                                         skip_special_tokens=skip_special_tokens)
+            return parser.answer_start(text) is not None
+
+        lo, hi = 1, len(token_ids)
+        if not ended(hi):
+            return hi
+        while lo < hi:  # the fewest tokens whose text ends the reasoning
+            mid = (lo + hi) // 2
+            if ended(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def annotate(self, message: ChatMessage, reasoning: str | None) -> None:
         """Put the reasoning on ``message``, where vLLM puts it (null when there is none

@@ -2,8 +2,9 @@
 
 A Responses request is run as the chat completion it amounts to: ``instructions`` and
 ``input`` become messages, ``max_output_tokens`` is ``max_tokens``, ``text.format`` is
-``response_format`` and the flat function tools become chat's nested ones. Errors name the
-Responses field (``input[1].content[0].type``, ``max_output_tokens``, ``text.format``).
+``response_format``, ``reasoning.effort`` is ``reasoning_effort`` and the flat function
+tools become chat's nested ones. Errors name the Responses field
+(``input[1].content[0].type``, ``max_output_tokens``, ``text.format``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "previous_response_id": (None,),
     "conversation": (None,),
     "background": (None, False),
-    "reasoning": (None, {}),
     "truncation": (None, "disabled"),
     "max_tool_calls": (None,),
     "prompt": (None,),
@@ -40,6 +40,8 @@ _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _WHY = {"previous_response_id": "responses are not stored by this server (store is not "
                                 "supported), so there is none to continue from"}
 
+# reasoning.effort's values: those of chat's reasoning_effort.
+_EFFORTS = ("low", "medium", "high")
 # Content part types that carry text, by the role that may send them.
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Responses roles as the chat template knows them.
@@ -72,6 +74,9 @@ class ResponsesRequest(TextCheckedRequest):
     include: list[str] | None = None
     top_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
+    # {"effort": ..., "summary": ...}: the effort goes to the chat template as chat's
+    # reasoning_effort; no summary is written (a reasoning item's summary stays []).
+    reasoning: dict[str, Any] | None = None
 
     def wants_logprobs(self) -> bool:
         """``include`` checked: True when it asks for the output text's logprobs."""
@@ -96,8 +101,14 @@ class ResponsesRequest(TextCheckedRequest):
             return out
         if not self.input:
             raise ValueError("input: must not be empty")
+        before = len(out)
         for i, item in enumerate(self.input):
-            out.append(_message_of(f"input[{i}]", item))
+            message = _message_of(f"input[{i}]", item)
+            if message is not None:
+                out.append(message)
+        if len(out) == before:
+            raise ValueError("input: holds only reasoning items; there is no message to "
+                             "answer")
         return out
 
     def text_format(self) -> dict[str, Any]:
@@ -120,6 +131,19 @@ class ResponsesRequest(TextCheckedRequest):
                     "json_schema": {"name": fmt.get("name", "response"),
                                     "schema": fmt["schema"]}}
         return None if fmt["type"] == "text" else {"type": fmt["type"]}
+
+    def _reasoning_effort(self) -> str | None:
+        """``reasoning.effort``, checked: what chat's ``reasoning_effort`` takes."""
+        reasoning = self.reasoning or {}
+        unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
+        if unknown:
+            raise ValueError(f"reasoning.{unknown[0]}: not supported (only effort and "
+                             "summary)")
+        effort = reasoning.get("effort")
+        if effort is not None and effort not in _EFFORTS:
+            raise ValueError(f"reasoning.effort: must be one of {', '.join(_EFFORTS)}, got "
+                             f"{effort!r}")
+        return effort
 
     def _chat_tools(self) -> list[dict[str, Any]] | None:
         if self.tools is None:
@@ -155,6 +179,7 @@ class ResponsesRequest(TextCheckedRequest):
             "tools": self._chat_tools(), "tool_choice": self._chat_tool_choice(),
             "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
             "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
+            "reasoning_effort": self._reasoning_effort(),
         }
         if self.wants_logprobs():
             fields.update(logprobs=True, top_logprobs=self.top_logprobs)
@@ -174,11 +199,15 @@ class ResponsesChatRequest(ChatCompletionRequest):
         "structured_outputs": "text.format"}
 
 
-def _message_of(where: str, item: Any) -> dict[str, Any]:
-    """One input item as a chat message: a message, a function call or its output."""
+def _message_of(where: str, item: Any) -> dict[str, Any] | None:
+    """One input item as a chat message: a message, a function call or its output; None
+    for a reasoning item (an earlier turn's thinking, which a client sends back with the
+    rest of the output: chat templates leave earlier thinking out of the prompt)."""
     if not isinstance(item, dict):
         raise ValueError(f"{where}: must be an object (a message or a function call item)")
     kind = item.get("type", "message")
+    if kind == "reasoning":
+        return None
     if kind == "function_call":
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
@@ -192,8 +221,8 @@ def _message_of(where: str, item: Any) -> dict[str, Any]:
                              "and output")
         return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
     if kind != "message":
-        raise ValueError(f"{where}.type: must be 'message', 'function_call' or "
-                         f"'function_call_output', got {kind!r}")
+        raise ValueError(f"{where}.type: must be 'message', 'function_call', "
+                         f"'function_call_output' or 'reasoning', got {kind!r}")
     role = item.get("role")
     if not isinstance(role, str) or not role:
         raise ValueError(f"{where}.role: a message needs a role")
