@@ -15,6 +15,13 @@ from typing import Any
 import pytest
 import torch
 
+# Set after torch is imported, so it reaches only the processes the tests start (servers,
+# engine cores, ranks, CLI runs, the fork server): several of them share the 2 cores at
+# once, and libgomp's default wait (each idle OpenMP worker spins for milliseconds after
+# every parallel region) made a busy core's neighbour 2-3x slower to start. Speed is
+# measured in benchmarks/, never here; this process keeps the default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
