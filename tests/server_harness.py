@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from forerun.bench.serve import wait_until_healthy
@@ -55,6 +56,9 @@ class ServerHandle:
 
 
 _servers: dict[tuple[object, ...], ServerHandle] = {}
+# The servers' logs live while this process does (a failing test quotes their tails);
+# removed at exit so that a session leaves no files behind.
+_LOGS = tempfile.TemporaryDirectory(prefix="forerun-test-servers-")
 _fresh: list[ServerHandle] = []
 
 
@@ -84,7 +88,7 @@ def start_server(*extra: str, env: dict[str, str] | None = None,
     if not fresh and key in _servers and _servers[key].proc.poll() is None:
         return _servers[key]
     port = free_port()
-    log_path = f"/tmp/forerun-test-server-{port}.log"
+    log_path = os.path.join(_LOGS.name, f"server-{port}.log")
     log = open(log_path, "wb")  # noqa: SIM115 - the child keeps writing to it
     proc = subprocess.Popen(
         [sys.executable, "-m", "forerun.cli", "serve", "--host", "127.0.0.1",
