@@ -311,6 +311,171 @@ def test_edge_refusals_on_messages_routes_take_anthropics_shape() -> None:
             assert c.post("/v1/messages", json={}, headers=auth).json() == {"ok": True}
 
 
+# --- thinking with --reasoning-parser: the reply builders on scripted token streams -----
+THOUGHT = ["<think>", "Two", " and", " two", "</", "think", ">", "Four", "."]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+
+
+def _messages_body(extra: dict[str, Any] | None = None, reasoning: bool = True) -> Any:
+    from forerun.server.anthropic_protocol import MessagesRequest
+
+    body = {"model": MODEL, "max_tokens": 2048, "messages": _user(QUESTION), **(extra or {})}
+    return MessagesRequest.model_validate_json(json.dumps(body),
+                                               context={"reasoning": reasoning})
+
+
+def _replies(pieces: list[str], thinking: dict[str, Any] | None,
+             tools: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any],
+                                                                 list[dict[str, Any]]]:
+    """(the whole message, the stream's events) of a scripted deepseek_r1 reply, both
+    validated by the anthropic package's models."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pydantic import TypeAdapter
+
+    from forerun.server.anthropic import Message, _blocks, _stop, _stream, _usage
+    from forerun.server.bodies import encode
+    from forerun.server.reasoning import plan_reasoning, thinking_fields
+    from forerun.server.tool_calls import ToolCallConfig, plan_tools
+    from tests.scripted_outputs import PieceTokenizer, ScriptedStream, collect
+
+    tok = PieceTokenizer(pieces)
+    ctx = SimpleNamespace(model_name=MODEL, chat_template=None,
+                          engine=SimpleNamespace(tokenizer=tok))
+    body = _messages_body({"thinking": thinking, "tools": tools})
+    chat = body.to_chat(thinking_fields(ctx, body.thinking_switch()))
+    plan = plan_tools(ToolCallConfig(True, "hermes"), chat, tok)
+    rplan = plan_reasoning("deepseek_r1", chat, tok)
+    (out,) = ScriptedStream(pieces).outputs()[-1:]
+    (c,) = out.outputs
+    blocks = _blocks(plan, c.text, c.finish_reason, rplan)
+    whole = Message("msg_1", MODEL, blocks, _usage(out, 3, len(c.token_ids)),
+                    *_stop(blocks, c.finish_reason, c.stop_reason))
+    whole_json = json.loads(encode(whole))
+    anthropic.types.Message.model_validate(whole_json)
+    raw = asyncio.run(collect(_stream(ctx, "msg_1", ScriptedStream(pieces), plan, rplan)))
+    events = [json.loads(chunk.split(b"\ndata: ")[1]) for chunk in raw]
+    check = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    for e in events:
+        if e["type"] != "ping":  # not among the package's stream events
+            check.validate_python(e)
+    return whole_json, events
+
+
+def _rebuilt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The content blocks a client rebuilds from the events (tool ids left out)."""
+    blocks: list[dict[str, Any]] = []
+    for e in events:
+        if e["type"] == "content_block_start":
+            assert e["index"] == len(blocks)
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta":
+            b, d = blocks[e["index"]], e["delta"]
+            if d["type"] == "thinking_delta":
+                b["thinking"] += d["thinking"]
+            elif d["type"] == "text_delta":
+                b["text"] += d["text"]
+            else:
+                b["input"] = json.loads(d["partial_json"])
+    return [{k: v for k, v in b.items() if k != "id"} for b in blocks]
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "enabled", "budget_tokens": 1024},
+                                      {"type": "disabled"}])
+def test_thinking_block_streamed_and_whole_alike(thinking: dict[str, Any] | None) -> None:
+    whole, events = _replies(THOUGHT, thinking)
+    # Oracle: the raw text cut at its markers; disabled drops the thinking.
+    raw = "".join(THOUGHT)
+    thought, answer = raw.removeprefix("<think>").split("</think>")
+    want: list[dict[str, Any]] = [{"type": "text", "text": answer, "citations": None}]
+    if thinking != {"type": "disabled"}:
+        want.insert(0, {"type": "thinking", "thinking": thought, "signature": ""})
+    assert whole["content"] == want and _rebuilt(events) == want
+    assert whole["stop_reason"] == "end_turn" and events[-2]["delta"]["stop_reason"] == \
+        "end_turn"
+    assert whole["usage"]["output_tokens"] == events[-2]["usage"]["output_tokens"] == \
+        len(THOUGHT)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == [b["type"] for b in want]
+
+
+def test_thinking_tool_calls_come_from_the_answer_only() -> None:
+    pieces = ["<think>", "<tool_call>x</tool_call>", "</think>", CALL]
+    whole, events = _replies(pieces, None, [WEATHER])
+    want = [{"type": "thinking", "thinking": "<tool_call>x</tool_call>", "signature": ""},
+            {"type": "tool_use", "name": "get_weather", "input": {"city": "Rome"}}]
+    assert [{k: v for k, v in b.items() if k != "id"} for b in whole["content"]] == want
+    assert _rebuilt(events) == want and whole["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize("thinking, max_tokens, says", [
+    ({"type": "enabled", "budget_tokens": 1023}, 2048, "greater than or equal to 1024"),
+    ({"type": "enabled", "budget_tokens": "2000"}, 4096, "valid integer"),
+    ({"type": "enabled", "budget_tokens": 1500.0}, 4096, "valid integer"),
+    ({"type": "enabled"}, 2048, "Field required"),
+    ({"type": "enabled", "budget_tokens": 2048}, 2048, "less than max_tokens"),
+    ({"type": "adaptive"}, 2048, "'enabled' or 'disabled'"),
+    ("on", 2048, "valid dictionary"),
+])
+def test_thinking_budget_tokens_is_checked_as_anthropic_does(
+        thinking: Any, max_tokens: int, says: str) -> None:
+    from forerun.server.anthropic import _parse
+    from forerun.server.errors import APIError
+
+    raw = json.dumps({"model": MODEL, "max_tokens": max_tokens, "messages": _user("x"),
+                      "thinking": thinking}).encode()
+    with pytest.raises((APIError, ValueError)) as err:
+        from forerun.server.anthropic_protocol import MessagesRequest
+        _parse(MessagesRequest, raw, True).to_chat()
+    message = err.value.message if isinstance(err.value, APIError) else str(err.value)
+    assert message.startswith(("thinking.budget_tokens: ", "thinking.type: ", "thinking: "))
+    assert says in message, message
+
+
+def test_thinking_without_a_reasoning_parser_is_refused_as_before() -> None:
+    from forerun.server.anthropic import _parse
+    from forerun.server.anthropic_protocol import MessagesRequest
+    from forerun.server.errors import APIError
+
+    on = {"model": MODEL, "max_tokens": 2048, "messages": _user("x"),
+          "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    with pytest.raises(APIError) as err:
+        _parse(MessagesRequest, json.dumps(on).encode())
+    assert err.value.status == 400 and err.value.message.startswith(
+        "thinking: extended thinking is not supported")
+    off = _parse(MessagesRequest, json.dumps({**on, "thinking": {"type": "disabled"}}).encode())
+    assert off.thinking_switch() is None  # ignored, as before
+    replay = [{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm",
+                                                 "signature": "s"}]}]
+    with pytest.raises(ValueError, match="messages.0.content.0.type"):
+        _messages_body({"messages": replay}, reasoning=False).chat_messages()
+
+
+def test_thinking_switch_and_replayed_thinking_blocks() -> None:
+    from types import SimpleNamespace
+
+    from forerun.server.anthropic import _thinking_chat_fields
+
+    qwen3 = SimpleNamespace(reasoning_parser="qwen3", chat_template="{{ enable_thinking }}")
+    fields = _thinking_chat_fields(qwen3, _messages_body({"thinking": {"type": "disabled"}}))
+    assert fields == {"include_reasoning": False,
+                      "chat_template_kwargs": {"enable_thinking": False}}
+    assert _messages_body().thinking_switch() is None
+    assert _messages_body({"thinking": {"type": "enabled", "budget_tokens": 1024}}
+                          ).thinking_switch() is True
+    # A client replays its earlier reply's thinking: accepted and dropped.
+    replay = [{"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": [
+                  {"type": "thinking", "thinking": "They greet.", "signature": ""},
+                  {"type": "redacted_thinking", "data": "xyz"},
+                  {"type": "text", "text": "Hello!"}]},
+              {"role": "user", "content": "Bye"}]
+    assert _messages_body({"messages": replay}).chat_messages() == [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"}]
+
+
 def test_all_blocks_free_afterwards(servers: dict[str, ServerHandle]) -> None:
     from tests.test_server import wait_idle
 

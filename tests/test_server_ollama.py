@@ -293,8 +293,9 @@ def test_think_tool_calls_come_from_the_answer_only() -> None:
 def test_think_maps_onto_the_chat_request() -> None:
     from types import SimpleNamespace
 
-    from forerun.server.ollama import _check_think, _thinking_fields
+    from forerun.server.ollama import _check_think
     from forerun.server.ollama_protocol import ChatRequest, OllamaError
+    from forerun.server.reasoning import thinking_fields as _thinking_fields
 
     def ctx(parser: str | None, template: str = "") -> Any:
         tok = SimpleNamespace(chat_template=template)

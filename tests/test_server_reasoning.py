@@ -359,3 +359,28 @@ def test_ollama_think_returns_thinking_beside_a_format_answer(
     assert re.search("[<!]", message["thinking"]), message
     jsonschema.validate(json.loads(message["content"]), INTEGER)
     assert "</think>" not in message["content"] + message["thinking"]
+
+
+def test_messages_thinking_block_streamed_before_a_schema_answer(
+        servers: tuple[Any, Any]) -> None:
+    import anthropic
+
+    http, _ = servers
+    client = anthropic.Anthropic(base_url="http://testserver", api_key="unused",
+                                 http_client=http, max_retries=0)
+    # The same prompt as above (its prefix cached); a replayed thinking block is dropped.
+    turns = [*COUNT_TURNS[:-2], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "counting", "signature": ""},
+        {"type": "text", "text": COUNT_TURNS[-2]["content"]}]}, COUNT_TURNS[-1]]
+    with client.messages.stream(
+            model=MODEL, max_tokens=30, messages=turns,
+            extra_body={"temperature": 0, "output_config": {"format": {
+                "type": "json_schema", "schema": INTEGER}}}) as stream:
+        kinds = [e.type for e in stream]
+        message = stream.get_final_message()
+    thought, answer = message.content
+    assert (thought.type, answer.type) == ("thinking", "text")
+    assert re.search("[<!]", thought.thinking), thought  # free; the answer follows the schema
+    jsonschema.validate(json.loads(answer.text), INTEGER)
+    assert "</think>" not in thought.thinking + answer.text
+    assert "thinking" in kinds and message.stop_reason == "end_turn"

@@ -5,6 +5,11 @@ the body), through the same template, tool planning and engine calls as
 ``/v1/chat/completions``; this module shapes the answer as Anthropic's ``message`` object,
 or its stream of events (``message_start`` ... ``message_stop``), and every error as
 ``{"type": "error", "error": {"type": ..., "message": ...}}``.
+
+With ``--reasoning-parser`` the model's thinking is a ``thinking`` block (``signature`` "":
+there is nothing to sign) before the answer's blocks, streamed as ``thinking_delta``s while
+the model thinks; tool calls are read from the answer only. ``thinking: {"type":
+"disabled"}`` leaves it out (and tells an ``enable_thinking`` template).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ from forerun.server.errors import (
     overloaded_error,
     param_of,
     timeout_error,
+)
+from forerun.server.reasoning import (
+    ChoiceReasoningStream,
+    ReasoningPlan,
+    plan_reasoning,
+    thinking_fields,
 )
 from forerun.server.serving import (
     ServingContext,
@@ -85,7 +96,12 @@ class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ToolUseBlock
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""
+
+
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class MessageUsage(msgspec.Struct):
@@ -131,13 +147,24 @@ def _usage(out: RequestOutput | None, n_prompt: int, n_gen: int) -> MessageUsage
     return MessageUsage(n_prompt - cached, n_gen, cached)
 
 
-def _blocks(plan: ToolPlan, text: str, finish: str | None) -> list[ContentBlock]:
-    """A finished generation's content: its text, then its tool calls (a call whose input
-    is not a JSON object, cut short by max_tokens, stays text)."""
+def _blocks(plan: ToolPlan, text: str, finish: str | None,
+            rplan: ReasoningPlan | None = None) -> list[ContentBlock]:
+    """A finished generation's content: its thinking (with a reasoning parser), its text,
+    then its tool calls (a call whose input is not a JSON object, cut short by max_tokens,
+    stays text)."""
+    blocks: list[ContentBlock] = []
+    answer = text
+    if rplan is not None:  # the split first: tool calls come from the answer only
+        reasoning, answer = rplan.split_whole(text)
+        if reasoning and rplan.include:
+            blocks.append(ThinkingBlock(reasoning))
     if plan.mode == "none":
-        return [TextBlock(text)] if text else []
-    message, _ = tool_message(plan, "assistant", text, finish)
-    blocks: list[ContentBlock] = [TextBlock(message.content)] if message.content else []
+        return blocks + ([TextBlock(answer)] if answer else [])
+    # harmony's tool parser reads the whole text and skips the thinking itself
+    message, _ = tool_message(plan, "assistant", text if plan.reads_whole_output else answer,
+                              finish)
+    if message.content:
+        blocks.append(TextBlock(message.content))
     for call in message.tool_calls:
         try:
             args = json.loads(call.function.arguments or "{}")
@@ -178,26 +205,41 @@ def _renamed(err: APIError) -> APIError:
     return err
 
 
-def _parse(model: type[BaseModel], raw: bytes) -> Any:
+def _parse(model: type[BaseModel], raw: bytes, reasoning: bool = False) -> Any:
+    """The body; ``reasoning``: the server has a reasoning parser (``thinking`` allowed)."""
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw, context={"reasoning": reasoning})
     except ValidationError as exc:
         msg = validation_message(exc)
         raise APIError(400, msg, "invalid_request_error", param_of(msg)) from None
 
 
 class _Plan:
-    """A Messages request checked and mapped: its chat form, tool plan and prompt ids."""
+    """A Messages request checked and mapped: its chat form, tool and reasoning plans and
+    prompt ids."""
 
     def __init__(self, ctx: ServingContext, body: MessagesRequest) -> None:
         check_model(ctx, body.model)
         try:
-            chat = body.to_chat()
+            chat = body.to_chat(_thinking_chat_fields(ctx, body))
         except ValueError as exc:
             raise APIError.bad_request(str(exc)) from None
         self.plan = plan_tools(ctx.tool_config, chat, ctx.engine.tokenizer)
         self.ids = chat_prompt_ids(ctx, chat, self.plan)
         self.chat = self.plan.adjust_request(chat)
+        self.rplan = plan_reasoning(ctx.reasoning_parser, self.chat, ctx.engine.tokenizer,
+                                    ctx.structured_enable_in_reasoning)
+        if self.rplan is not None:  # output_config.format (and forced calls) after it
+            self.chat = self.rplan.adjust_request(self.chat,
+                                                  forced_calls=self.plan.schema is not None)
+
+
+def _thinking_chat_fields(ctx: ServingContext,
+                          body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """The chat fields ``thinking`` sets (none without a reasoning parser)."""
+    if ctx.reasoning_parser is None:
+        return {}
+    return thinking_fields(ctx, body.thinking_switch())
 
 
 async def create_message(ctx: ServingContext, body: MessagesRequest, request: Request,
@@ -210,25 +252,29 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, request: Re
     except APIError as err:
         raise _renamed(err) from None
     if body.stream:
-        return StreamingResponse(_stream(ctx, rid, streams[0], p.plan),
+        return StreamingResponse(_stream(ctx, rid, streams[0], p.plan, p.rplan),
                                  media_type="text/event-stream")
     (out,) = await unless_disconnected(request, final_outputs(streams))
     (c,) = out.outputs
-    blocks = _blocks(p.plan, c.text, c.finish_reason)
+    blocks = _blocks(p.plan, c.text, c.finish_reason, p.rplan)
     stop, seq = _stop(blocks, c.finish_reason, c.stop_reason)
     msg = Message(rid, ctx.model_name, blocks,
                   _usage(out, len(out.prompt_token_ids), len(c.token_ids)), stop, seq)
     return Response(encode(msg), media_type="application/json")
 
 
-async def _stream(ctx: ServingContext, rid: str, stream: RequestStream,
-                  plan: ToolPlan) -> AsyncIterator[bytes]:
-    """Anthropic's events. Plain text is sent as it comes; with tools the output is parsed
+async def _stream(ctx: ServingContext, rid: str, stream: RequestStream, plan: ToolPlan,
+                  rplan: ReasoningPlan | None = None) -> AsyncIterator[bytes]:
+    """Anthropic's events. Thinking and plain text are sent as they come, each kind in its
+    own block (a new block whenever the kind changes); with tools the answer is parsed
     whole at the end and its blocks sent then (a tool_use block as one input_json_delta)."""
     live = plan.mode == "none"
+    thinking = ChoiceReasoningStream(rplan) if rplan is not None else None
     n_prompt = len(stream.prompt_token_ids)
-    started = block_open = False
+    started = False
+    index, open_kind = -1, ""  # the block being streamed: its index and kind ("": none)
     sent, text, finish, stop_reason, n_gen = 0, "", None, None, 0
+    streamed: list[ContentBlock] = []
     out: RequestOutput | None = None
     try:
         async for out in stream:
@@ -240,24 +286,37 @@ async def _stream(ctx: ServingContext, rid: str, stream: RequestStream,
             (c,) = out.outputs
             text, finish, stop_reason, n_gen = c.text, c.finish_reason, c.stop_reason, \
                 len(c.token_ids)
-            if live and len(text) > sent:
-                if not block_open:
-                    block_open = True
-                    yield _event("content_block_start", index=0,
-                                 content_block=TextBlock(""))
-                yield _event("content_block_delta", index=0,
-                             delta={"type": "text_delta", "text": text[sent:]})
+            if thinking is not None:
+                d = thinking.step(text, finish is not None)
+                pieces = [("thinking", d.reasoning), ("text", d.content)]
+            else:
+                pieces = [("text", text[sent:])]
                 sent = len(text)
+            for kind, piece in pieces:
+                if not piece or (kind == "text" and not live):
+                    continue
+                if kind != open_kind:
+                    if open_kind:
+                        yield _event("content_block_stop", index=index)
+                    index, open_kind = index + 1, kind
+                    streamed.append(ThinkingBlock("") if kind == "thinking" else TextBlock(""))
+                    yield _event("content_block_start", index=index,
+                                 content_block=streamed[-1])
+                if kind == "thinking":
+                    delta = {"type": "thinking_delta", "thinking": piece}
+                else:
+                    delta = {"type": "text_delta", "text": piece}
+                yield _event("content_block_delta", index=index, delta=delta)
         if not started:
             yield _event("message_start", message=Message(
                 rid, ctx.model_name, [], _usage(out, n_prompt, 0)))
-        if live:
-            blocks: list[ContentBlock] = [TextBlock(text)] if block_open else []
-            if block_open:
-                yield _event("content_block_stop", index=0)
-        else:
-            blocks = _blocks(plan, text, finish)
-            for i, block in enumerate(blocks):
+        if open_kind:
+            yield _event("content_block_stop", index=index)
+        blocks = streamed
+        if not live:
+            blocks = [b for b in _blocks(plan, text, finish, rplan)
+                      if not isinstance(b, ThinkingBlock)]  # the thinking went out live
+            for i, block in enumerate(blocks, start=index + 1):
                 for chunk in _whole_block(i, block):
                     yield chunk
         stop, seq = _stop(blocks, finish, stop_reason)
@@ -293,7 +352,7 @@ def count_tokens(ctx: ServingContext, body: CountTokensRequest) -> dict[str, int
     included, as /v1/messages would run it."""
     check_model(ctx, body.model)
     try:
-        chat = body.to_chat()
+        chat = body.to_chat(_thinking_chat_fields(ctx, body))
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
     try:
@@ -332,14 +391,16 @@ def register_anthropic_routes(app: FastAPI, ctx: ServingContext, max_body_bytes:
     @app.post(MESSAGES_PATH)
     async def messages(request: Request) -> Response:
         async def handle(raw: bytes) -> Response:
-            body = await off_loop_if_big(len(raw), _parse, MessagesRequest, raw)
+            body = await off_loop_if_big(len(raw), _parse, MessagesRequest, raw,
+                                        ctx.reasoning_parser is not None)
             return await create_message(ctx, body, request, len(raw))
         return await answer(request, handle)
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         async def handle(raw: bytes) -> Response:
-            body = await off_loop_if_big(len(raw), _parse, CountTokensRequest, raw)
+            body = await off_loop_if_big(len(raw), _parse, CountTokensRequest, raw,
+                                        ctx.reasoning_parser is not None)
             counted = await off_loop_if_big(len(raw), count_tokens, ctx, body)
             return Response(encode(counted), media_type="application/json")
         return await answer(request, handle)

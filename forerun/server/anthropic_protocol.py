@@ -6,6 +6,12 @@ system message, content blocks become chat messages (``tool_use`` an assistant's
 ``output_config.format`` is ``response_format`` and ``tool_choice`` any / tool are chat's
 ``required`` / named choice. Errors name the Anthropic field, with Anthropic's dotted paths
 (``messages.1.content.0.type``).
+
+``thinking`` needs ``--reasoning-parser`` (the body is parsed with the validation context
+``{"reasoning": True}``); without it only ``{"type": "disabled"}`` is accepted, as before.
+With it ``enabled`` (its ``budget_tokens`` checked as Anthropic checks it, not enforced) and
+absent return the thinking, ``disabled`` drops it, and thinking blocks an assistant turn
+replays are dropped (chat templates drop an earlier turn's thinking too).
 """
 
 from __future__ import annotations
@@ -14,7 +20,15 @@ import json
 import logging
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from forerun.server.protocol import (
     ChatCompletionRequest,
@@ -30,7 +44,7 @@ _STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 # else is a 400 naming the field (the reason in _WHY). Unknown fields are ignored with a
 # log line, as the OpenAI routes do.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "thinking": (None, {"type": "disabled"}),
+    "thinking": (None, {"type": "disabled"}),  # without --reasoning-parser
     "container": (None,),
     "mcp_servers": (None, []),
     "context_management": (None,),
@@ -48,6 +62,30 @@ _WHY = {
 }
 # Block types a client may send that are not text: a text-only model cannot read them.
 _MEDIA = ("image", "document", "search_result")
+# An earlier reply's thinking, replayed by a client (with --reasoning-parser): dropped.
+_THINKING_BLOCKS = ("thinking", "redacted_thinking")
+# Anthropic's least thinking budget.
+MIN_THINKING_BUDGET = 1024
+
+
+class ThinkingParam(BaseModel):
+    """``thinking`` with --reasoning-parser: ``enabled`` (with ``budget_tokens``, which
+    forerun checks but does not enforce) or ``disabled``."""
+
+    model_config = _STRICT
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> ThinkingParam:
+        if self.type == "enabled":
+            if self.budget_tokens is None:
+                raise ValueError("budget_tokens: Field required")
+            if self.budget_tokens < MIN_THINKING_BUDGET:
+                raise ValueError(f"budget_tokens: Input should be greater than or equal to "
+                                 f"{MIN_THINKING_BUDGET}, got {self.budget_tokens}")
+        return self
 
 
 class TextBlockParam(BaseModel):
@@ -108,10 +146,24 @@ class _AnthropicBody(TextCheckedRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoiceParam | None = None
     output_config: OutputConfig | None = None
+    thinking: Any = None  # checked below: what it may be depends on the server
+    _thinking: ThinkingParam | None = PrivateAttr(None)
+    _reasoning: bool = PrivateAttr(False)
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> _AnthropicBody:
-        check_extra_fields(self.model_extra, _UNSUPPORTED, _WHY)
+    def _reject_unsupported(self, info: ValidationInfo) -> _AnthropicBody:
+        self._reasoning = bool((info.context or {}).get("reasoning"))
+        extra = dict(self.model_extra or {})
+        if self.thinking is not None and not self._reasoning:
+            extra = {"thinking": self.thinking, **extra}
+        check_extra_fields(extra, _UNSUPPORTED, _WHY)
+        if self.thinking is not None and self._reasoning:
+            try:
+                self._thinking = ThinkingParam.model_validate(self.thinking)
+            except ValidationError as exc:
+                msg = validation_message(exc)
+                pathed = exc.errors()[0].get("loc") or msg.startswith("budget_tokens")
+                raise ValueError(f"thinking{'.' if pathed else ': '}{msg}") from None
         if self.output_config is not None and self.output_config.effort is not None:
             raise ValueError("output_config.effort: is not supported by this server (the "
                              "model has no reasoning budget to set)")
@@ -127,8 +179,12 @@ class _AnthropicBody(TextCheckedRequest):
         if not self.messages:
             raise ValueError("messages: must hold at least one message")
         for i, m in enumerate(self.messages):
-            out += _chat_turn(f"messages.{i}", m)
+            out += _chat_turn(f"messages.{i}", m, self._reasoning)
         return out
+
+    def thinking_switch(self) -> bool | None:
+        """The request's ``thinking`` as a switch: None when absent, else whether on."""
+        return None if self._thinking is None else self._thinking.type == "enabled"
 
     def template_fields(self) -> dict[str, Any]:
         """A last assistant turn is a prefill: the reply continues it (Anthropic's rule),
@@ -180,10 +236,16 @@ class MessagesRequest(_AnthropicBody):
     service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: dict[str, Any] | None = None
 
-    def to_chat(self) -> AnthropicChatRequest:
-        """The chat completion this request amounts to; ValueError names the field."""
+    def to_chat(self, extra: dict[str, Any] | None = None) -> AnthropicChatRequest:
+        """The chat completion this request amounts to, with ``extra`` chat fields (the
+        thinking's); ValueError names the field."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
+        t = self._thinking
+        if t is not None and t.type == "enabled" and t.budget_tokens is not None and \
+                t.budget_tokens >= self.max_tokens:
+            raise ValueError(f"thinking.budget_tokens: must be less than max_tokens "
+                             f"({self.max_tokens}), got {t.budget_tokens}")
         user = (self.metadata or {}).get("user_id")
         fields: dict[str, Any] = {
             "model": self.model, "messages": self.chat_messages(),
@@ -193,6 +255,7 @@ class MessagesRequest(_AnthropicBody):
             "stream": self.stream, "response_format": self.response_format(),
             "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),
             "user": user if isinstance(user, str) else None, **self.template_fields(),
+            **(extra or {}),
         }
         if self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use:
             fields["parallel_tool_calls"] = False
@@ -206,10 +269,10 @@ class MessagesRequest(_AnthropicBody):
 class CountTokensRequest(_AnthropicBody):
     """The body of ``POST /v1/messages/count_tokens``: a conversation, no sampling."""
 
-    def to_chat(self) -> AnthropicChatRequest:
+    def to_chat(self, extra: dict[str, Any] | None = None) -> AnthropicChatRequest:
         return AnthropicChatRequest.model_validate(
             {"model": self.model, "messages": self.chat_messages(),
-             "tools": self.chat_tools(), **self.template_fields()})
+             "tools": self.chat_tools(), **self.template_fields(), **(extra or {})})
 
 
 class AnthropicChatRequest(ChatCompletionRequest):
@@ -269,10 +332,11 @@ def _tool_result_text(where: str, block: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
-def _chat_turn(where: str, m: MessageParam) -> list[dict[str, Any]]:
+def _chat_turn(where: str, m: MessageParam, reasoning: bool = False) -> list[dict[str, Any]]:
     """One Anthropic turn as chat messages: tool results become ``tool`` messages (in
     order), the rest of a user turn one user message, an assistant turn one message
-    holding its text and its ``tool_calls``."""
+    holding its text and its ``tool_calls`` (its thinking blocks dropped when the server
+    has a reasoning parser)."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     out: list[dict[str, Any]] = []
@@ -299,11 +363,15 @@ def _chat_turn(where: str, m: MessageParam) -> list[dict[str, Any]]:
                 text = []
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": _tool_result_text(at, block)})
+        elif kind in _THINKING_BLOCKS and m.role == "assistant" and reasoning:
+            continue  # an earlier reply's thinking: templates leave it out
         elif kind in _MEDIA:
             raise ValueError(f"{at}.type: {kind} blocks are not supported: this server's "
                              "models read text only")
         else:
             allowed = "text, tool_use" if m.role == "assistant" else "text, tool_result"
+            if m.role == "assistant" and reasoning:
+                allowed += ", thinking"
             raise ValueError(f"{at}.type: a {m.role} turn may hold {allowed} blocks here, "
                              f"got {kind!r}")
     if m.role == "assistant":

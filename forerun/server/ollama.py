@@ -58,7 +58,7 @@ from forerun.server.ollama_protocol import (
     template_messages,
 )
 from forerun.server.ollama_writer import ResponseWriter, Timing
-from forerun.server.reasoning import plan_reasoning
+from forerun.server.reasoning import plan_reasoning, thinking_fields
 from forerun.server.serving import ServingContext, request_ids, start_requests
 from forerun.server.tool_calls import ToolPlan, plan_tools
 
@@ -232,22 +232,6 @@ def _check_think(ctx: ServingContext, body: ChatRequest | GenerateRequest) -> No
         raise OllamaError(400, f'think value "{think}" is not supported for this model')
 
 
-def _thinking_fields(ctx: ServingContext, think: bool | str | None) -> dict[str, Any]:
-    """The chat request's fields for ``think`` under a reasoning parser. As in Ollama, an
-    absent ``think`` is on for a thinking model; off, the thinking is left out of the
-    reply, and a template that takes ``enable_thinking`` (Qwen3's) is told, as Ollama's
-    templates are (the model then answers without thinking). A level is the template's
-    ``reasoning_effort`` (gpt-oss's harmony template writes it in its system message)."""
-    on = think is not False
-    fields: dict[str, Any] = {"include_reasoning": on}
-    template = ctx.chat_template or getattr(ctx.engine.tokenizer, "chat_template", None)
-    if "enable_thinking" in str(template or ""):
-        fields["chat_template_kwargs"] = {"enable_thinking": on}
-    if isinstance(think, str):
-        fields["reasoning_effort"] = think
-    return fields
-
-
 def _refuse_unsupported(ctx: ServingContext, body: ChatRequest | GenerateRequest) -> None:
     model = body.model
     _check_think(ctx, body)
@@ -295,7 +279,7 @@ def _engine_request(ctx: ServingContext, body: ChatRequest | GenerateRequest,
                     options: dict[str, Any]) -> OllamaEngineRequest:
     fields: dict[str, Any] = {**sampling_fields(options), **format_fields(body.format)}
     if ctx.reasoning_parser is not None:
-        fields.update(_thinking_fields(ctx, body.think))
+        fields.update(thinking_fields(ctx, body.think))
     if isinstance(body, ChatRequest):
         fields["messages"] = template_messages(body.messages)
         fields["tools"] = body.tools

@@ -1,7 +1,8 @@
 """``--reasoning-parser`` on /v1/chat/completions: the model's thinking in ``reasoning``
 and ``reasoning_content`` (vLLM's current and former names), its answer in ``content``.
-/v1/responses (a ``reasoning`` item) and Ollama's ``/api/chat`` / ``/api/generate``
-(``thinking``) split it with the same plan and streams.
+/v1/responses (a ``reasoning`` item), Ollama's ``/api/chat`` / ``/api/generate``
+(``thinking``) and Anthropic's /v1/messages (a ``thinking`` block) split it with the same
+plan and streams.
 
 The split comes first: tool calls are parsed from the content part only, so a model that
 thinks about a ``<tool_call>`` does not call it (a parser that ``reads_whole_output``,
@@ -111,6 +112,23 @@ def plan_reasoning(parser_name: str | None, body: Any, tokenizer: Any,
     return ReasoningPlan(ReasoningParserManager.get_reasoning_parser(parser_name), tokenizer,
                          include=getattr(body, "include_reasoning", True) is not False,
                          name=parser_name, grammar_in_reasoning=grammar_in_reasoning)
+
+
+def thinking_fields(ctx: Any, think: bool | str | None) -> dict[str, Any]:
+    """The chat request's fields for a request's thinking switch under a reasoning parser
+    (Ollama's ``think``, Anthropic's ``thinking``; ``ctx`` the ServingContext). As in
+    Ollama, an absent switch is on for a thinking model; off, the thinking is left out of
+    the reply, and a template that takes ``enable_thinking`` (Qwen3's) is told, as Ollama's
+    templates are (the model then answers without thinking). A level is the template's
+    ``reasoning_effort`` (gpt-oss's harmony template writes it in its system message)."""
+    on = think is not False
+    fields: dict[str, Any] = {"include_reasoning": on}
+    template = ctx.chat_template or getattr(ctx.engine.tokenizer, "chat_template", None)
+    if "enable_thinking" in str(template or ""):
+        fields["chat_template_kwargs"] = {"enable_thinking": on}
+    if isinstance(think, str):
+        fields["reasoning_effort"] = think
+    return fields
 
 
 class ChoiceReasoningStream:
