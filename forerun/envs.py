@@ -7,6 +7,7 @@ them per call).
 | ``CC`` | ``cc`` | the C compiler that builds the CPU kernels |
 | ``FORERUN_CPU_KERNELS`` | ``1`` | ``0``: the model's pure-torch path instead of the C kernels |
 | ``FORERUN_CPU_PREPACK`` | ``1`` | ``0``: plain linear weights (no oneDNN reorder) |
+| ``FORERUN_CPU_BF16_TILES`` | ``1`` | ``0``: on a CPU with AVX512-BF16 and no AMX, bfloat16 steps past the small-batch path's size run on oneDNN's reordered copy of the linear weights (a second copy) instead of the register-tile GEMM on the small-batch path's packed copy |
 | ``FORERUN_CPU_AMX`` | ``1`` | ``0``: forerun's C kernels use no AMX tiles and choose their paths as on a CPU without AMX (measuring that CPU's paths on one with it; torch's oneDNN follows ``ONEDNN_MAX_CPU_ISA``, e.g. ``AVX512_CORE_BF16``) |
 | ``FORERUN_SINGLE_OMP_TEAM`` | ``1`` | ``0``: leave the engine thread's torch thread count alone |
 | ``FORERUN_API_KEY`` | unset | ``forerun serve``'s API key when ``--api-key`` is not given (a flag shows in ``ps``) |
@@ -53,6 +54,10 @@ def cpu_amx_enabled() -> bool:
 
 def cpu_prepack_enabled() -> bool:
     return _flag("FORERUN_CPU_PREPACK")
+
+
+def cpu_bf16_tiles_enabled() -> bool:
+    return _flag("FORERUN_CPU_BF16_TILES")
 
 
 def single_omp_team_enabled() -> bool:

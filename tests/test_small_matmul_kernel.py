@@ -38,12 +38,13 @@ def test_small_matmul_matches_float64(dtype: torch.dtype, m: int, n: int, k: int
     assert (err / scale).max().item() < bound
 
 
-@pytest.mark.parametrize("m", [9, 12, 13, 25, 64, 128])
-@pytest.mark.parametrize(("n", "k"), [(64, 1536), (48, 600), (67, 96)])
+@pytest.mark.parametrize("m", [9, 12, 13, 25, 64, 128, 300])
+@pytest.mark.parametrize(("n", "k"), [(64, 1536), (48, 600), (67, 96), (32, 98), (16, 2)])
 def test_many_row_bfloat16_tiles_match_float64(m: int, n: int, k: int) -> None:
-    # Past eight rows bfloat16 runs register tiles of 12 rows x two column blocks over chunks
-    # of k (csrc/small_matmul.c): row counts of whole and partial tiles, an odd block out and
-    # a padded last block, k in several chunks with a partial one.
+    # Past eight rows bfloat16 runs register tiles of 8 rows x three column blocks over
+    # chunks of k, on x copied into row tiles (csrc/small_matmul.c): row counts of whole and
+    # partial tiles, groups of three, two and one blocks and a padded last block, k in
+    # several chunks with a partial one, an odd number of column pairs, a single pair.
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)

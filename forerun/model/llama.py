@@ -6,6 +6,7 @@ sandwich norms, (1 + w) weights, scaled embeddings and soft-capping, sliding win
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 # Where a layer's q/k RMSNorm applies: per head over head_dim (Qwen3), or over the whole
 # q and k projections before they split into heads (OLMo 2); None: no q/k norm.
 QKNorm = Literal["head", "full"] | None
+
+logger = logging.getLogger(__name__)
 
 
 class DecoderAttention(nn.Module):
@@ -242,9 +245,10 @@ class LlamaForCausalLM(CausalLM):
         # Gemma 3's sliding layers rotate by their own (unscaled) base.
         self.rotary_local = (None if config.rope_local_theta is None else
                              RotaryEmbedding(config.head_dim, config.rope_local_theta, None))
-        # The tied output projection in oneDNN's layout, next to the embedding it shares
-        # values with (the embedding lookup needs the plain rows); set by ``prepack``.
-        self.packed_tied_head: PackedLinear | None = None
+        # The tied output projection in oneDNN's layout (or the small-batch path's packed
+        # copy, TileLinear), next to the embedding it shares values with (the embedding
+        # lookup needs the plain rows); set by ``prepack``.
+        self.packed_tied_head: nn.Module | None = None
         # quantization="gguf": the output head over GGUF blocks (the tied embedding's, or
         # lm_head's own); set by the loader (forerun/model/quant/gguf_linear.py).
         self.quant_head: GGUFLinear | None = None
@@ -350,11 +354,21 @@ class LlamaForCausalLM(CausalLM):
             self.small_batch.pack()
         else:
             self.small_batch.available = False
+        tiled: dict[str, nn.Module] = {}
+        if self.small_batch.available and self.small_batch.serves_every_step(dtype):
+            # One copy of the weights: the small-batch path's, for steps of every size.
+            tiled = dict(self.small_batch.tile_linears())
+            if self.lm_head is not None and self.quant_head is None:
+                self.lm_head = tiled["head"]
         n = prepack_linears(self)
         is_last = self.pp_stage is None or self.pp_stage.is_last
         if is_last and self.lm_head is None and self.quant_head is None and self.tp_head is None:
-            self.packed_tied_head = PackedLinear(self.model.embed_tokens.weight, None)
-            n += 1
+            self.packed_tied_head = tiled.get("head") or PackedLinear(
+                self.model.embed_tokens.weight, None)
+            n += "head" not in tiled
+        if tiled:
+            logger.info("%d linear weights run on the small-batch path's packed copy "
+                        "(register-tile GEMM, no oneDNN copy)", len(tiled))
         return n
 
     def resident_tensors(self) -> list[torch.Tensor]:

@@ -10,7 +10,9 @@ oneDNN's blocked kernels sum in another order than the plain ``F.linear`` (resul
 the last bits, as the small-batch kernel's do), and on a CPU without AVX-512, where float32
 is the default dtype, they are 1.2-2.7x faster at 8-128 rows (the README's benchmark notes
 the CPU). (The small-batch path keeps a copy of its own, packed for its kernel:
-``forerun/model/small_batch.py``.)
+``forerun/model/small_batch.py``. In bfloat16 on a CPU with AVX512-BF16 and no AMX that copy
+serves every step: :class:`TileLinear` runs the small matmul's register-tile GEMM on it, as
+fast as oneDNN's from 32 rows on, and no reordered copy is made.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from forerun import envs
+from forerun.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,30 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+class TileLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` the small-batch path's packed copy, shared with it.
+
+    Holds the :class:`~forerun.model.cpu_kernels.SmallMatmulWeight` itself, not its tensor:
+    the small-batch path may move that tensor (into huge pages) after this is made.
+    """
+
+    def __init__(self, weight: cpu_kernels.SmallMatmulWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.n, weight.k
+        self.tiled_weight = weight  # a plain attribute: shared, not this module's to move
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.small_matmul(x.contiguous(), self.tiled_weight, self.bias)
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The bias (the weight is the small-batch path's, counted there)."""
+        return [] if self.bias is None else [self.bias]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tiled"
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device,

@@ -48,6 +48,7 @@ from forerun.model import cpu_kernels, huge_pages, kv_quant
 from forerun.model.attention import AttentionMetadata, KVCache
 from forerun.model.layers import GatedMLP
 from forerun.model.moe import FusedMoE
+from forerun.model.packed_linear import TileLinear
 from forerun.model.quant.gguf_linear import GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear
 
@@ -201,7 +202,7 @@ class SmallBatchStack:
             return None
         kinds = {"gguf" if isinstance(m, GGUFLinear) else "int8"
                  if isinstance(m, Int8Linear) else "plain"
-                 if isinstance(m, torch.nn.Linear) else None
+                 if isinstance(m, torch.nn.Linear | TileLinear) else None
                  for _, m in self._layer_linears()}
         kinds |= {"plain" if moe.quant_experts is None else "int8"
                   if isinstance(moe.quant_experts[0][0], Int8Linear) else "gguf"
@@ -311,6 +312,34 @@ class SmallBatchStack:
                     moved = 0
             huge_pages.release_freed_memory()
         self._linears = linears
+
+    def serves_every_step(self, dtype: torch.dtype) -> bool:
+        """True where this path's packed copies are also the weights for steps past its size:
+        plain bfloat16 linears on a CPU with the small matmul's AVX512-BF16 register tiles
+        and no AMX, where its GEMM is level with oneDNN's from 32 rows on (on AMX oneDNN's
+        tiles are faster, and keep their own reordered copy)."""
+        return (dtype == torch.bfloat16 and self.mode == "plain" and self._linears is not None
+                and self._even and envs.cpu_bf16_tiles_enabled()
+                and cpu_kernels.small_matmul_is_fast(dtype)
+                and not cpu_kernels.small_matmul_has_amx())
+
+    def tile_linears(self) -> dict[str, TileLinear]:
+        """Every layer linear (and the output head, as ``"head"``) as a :class:`TileLinear`
+        on this path's packed copy, swapped into the layers in place of the plain linears,
+        so that the model keeps one copy of its weights; the head is the caller's to place
+        (a tied head shares the embedding, which the lookup still needs as plain rows)."""
+        assert self._linears is not None
+        tiled = {key: TileLinear(w, None) for key, w in self._linears.items() if key == "head"}
+        for i, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            owners = [(f"{i}.qkv", attn, "qkv_proj"), (f"{i}.o", attn, "o_proj")]
+            if isinstance(mlp, GatedMLP):
+                owners += [(f"{i}.gate_up", mlp, "gate_up_proj"), (f"{i}.down", mlp, "down_proj")]
+            for key, owner, name in owners:
+                plain = getattr(owner, name)
+                tiled[key] = TileLinear(self._linears[key], plain.bias)
+                setattr(owner, name, tiled[key])
+        return tiled
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """This path's own weight copies (none before :meth:`pack`, or with GGUF blocks)."""

@@ -181,62 +181,84 @@ static void block_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
 
 /* ---- many rows without AMX ----------------------------------------------------------------
  * Past MAXM rows the loop above is bound by its chains and its loads (one broadcast of x per
- * dot product of one block). A GEMM tile instead holds TR rows x two blocks (32 columns) of
- * accumulators in registers, 24 of the 32 zmm: each line pair then feeds 2 * TR dot products
- * for two weight loads and TR broadcasts. The weight is taken in chunks of KC lines, so a
- * chunk of a block pair (32 KiB) stays in L1 while every row tile passes over it; the
- * accumulators go to a float buffer between chunks. */
-#define TR 12
+ * dot product of one block). A GEMM tile instead holds TR rows x three blocks (48 columns)
+ * of accumulators in registers, 24 of the 32 zmm: each line triple then feeds 3 * TR dot
+ * products for three weight loads and TR broadcasts. x is first copied into row tiles of
+ * column pairs ([tile][k/2][TR] pairs), so that a tile's broadcasts are one sequential
+ * stream rather than TR strided ones. The weight is taken in chunks of KC lines, so a chunk
+ * of a block triple (48 KiB) stays near the core while every row tile passes over it; the
+ * accumulators go to a float buffer between chunks. On a 2-core AVX512-BF16 CPU this runs
+ * at 0.9-0.95x the dot-product unit's peak from 32 rows on, level with oneDNN's GEMM (the
+ * previous 12 x 32 tile on unpacked rows: 0.72-0.84x). */
+#define TR 8
+#define TB 3 /* blocks per tile */
 #define KC 256
 
-INLINE void tile_pair(const uint16_t *x, int64_t k, const uint16_t *w0, const uint16_t *w1,
-                      int64_t j0, int64_t j1, float *out, int first, const int mi,
-                      const int two) {
-    __m512 a0[TR], a1[TR];
+INLINE void tile3(const int32_t *xp, const uint16_t *w, int64_t wstride, int64_t j0, int64_t j1,
+                  float *out, int first, const int mi, const int nb) {
+    __m512 a0[TR], a1[TR], a2[TR];
     for (int i = 0; i < mi; ++i) {
-        a0[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * 2 * NB);
-        if (two) a1[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * 2 * NB + NB);
+        a0[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * TB * NB);
+        if (nb > 1) a1[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * TB * NB + NB);
+        if (nb > 2)
+            a2[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * TB * NB + 2 * NB);
     }
     for (int64_t j = j0; j < j1; ++j) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + j * 2 * NB);
-        const __m512bh b1 = two ? (__m512bh)_mm512_loadu_si512(w1 + j * 2 * NB) : b0;
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + j * 2 * NB);
+        const __m512bh b1 =
+            nb > 1 ? (__m512bh)_mm512_loadu_si512(w + wstride + j * 2 * NB) : b0;
+        const __m512bh b2 =
+            nb > 2 ? (__m512bh)_mm512_loadu_si512(w + 2 * wstride + j * 2 * NB) : b0;
         for (int i = 0; i < mi; ++i) {
-            int32_t pair;
-            memcpy(&pair, x + i * k + 2 * j, sizeof pair);
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[j * TR + i]);
             a0[i] = _mm512_dpbf16_ps(a0[i], xb, b0);
-            if (two) a1[i] = _mm512_dpbf16_ps(a1[i], xb, b1);
+            if (nb > 1) a1[i] = _mm512_dpbf16_ps(a1[i], xb, b1);
+            if (nb > 2) a2[i] = _mm512_dpbf16_ps(a2[i], xb, b2);
         }
     }
     for (int i = 0; i < mi; ++i) {
-        _mm512_storeu_ps(out + i * 2 * NB, a0[i]);
-        if (two) _mm512_storeu_ps(out + i * 2 * NB + NB, a1[i]);
+        _mm512_storeu_ps(out + i * TB * NB, a0[i]);
+        if (nb > 1) _mm512_storeu_ps(out + i * TB * NB + NB, a1[i]);
+        if (nb > 2) _mm512_storeu_ps(out + i * TB * NB + 2 * NB, a2[i]);
     }
 }
 
 #define TILE_CASE(r)                                                                          \
     case r:                                                                                   \
-        if (two) tile_pair(xi, k, w0, w1, j0, j1, oi, first, r, 1);                           \
-        else tile_pair(xi, k, w0, w1, j0, j1, oi, first, r, 0);                               \
+        if (nb == 3) tile3(xt, w, wstride, j0, j1, oi, first, r, 3);                          \
+        else if (nb == 2) tile3(xt, w, wstride, j0, j1, oi, first, r, 2);                     \
+        else tile3(xt, w, wstride, j0, j1, oi, first, r, 1);                                  \
         break;
 
-/* out [m][32] = x [m, k] against the block pair w0, w1 (w1 NULL: one block, out's first 16
- * columns). */
-static void pair_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w0,
-                      const uint16_t *w1, float *out) {
-    const int two = w1 != NULL;
-    const int64_t kp = k / 2;
+/* out [m][TB * NB] = the packed x (m rows) against nb <= TB consecutive blocks from w. */
+static void group_bf16(const int32_t *xp, int64_t m, int64_t k, const uint16_t *w, int nb,
+                       float *out) {
+    const int64_t kp = k / 2, wstride = k * NB;
     for (int64_t j0 = 0; j0 < kp; j0 += KC) {
         const int64_t j1 = j0 + KC < kp ? j0 + KC : kp;
         const int first = j0 == 0;
         for (int64_t i = 0; i < m; i += TR) {
-            const uint16_t *xi = x + i * k;
-            float *oi = out + i * 2 * NB;
+            const int32_t *xt = xp + i * kp; /* tile i / TR: kp lines of TR pairs */
+            float *oi = out + i * TB * NB;
             switch (m - i >= TR ? TR : m - i) {
                 TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
-                TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
-                default: TILE_CASE(12)
+                TILE_CASE(7) default: TILE_CASE(8)
             }
+        }
+    }
+}
+
+/* x [m, k] as row tiles of column pairs: tile t holds rows t*TR.. as [k/2][TR] pairs (rows
+ * past m left unset: no tile reads them). */
+static void pack_rows(const uint16_t *x, int64_t m, int64_t k, int32_t *xp) {
+    const int64_t kp = k / 2, ntiles = (m + TR - 1) / TR;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < ntiles; ++t) {
+        const int64_t r0 = t * TR, mi = m - r0 < TR ? m - r0 : TR;
+        int32_t *dst = xp + r0 * kp;
+        for (int64_t i = 0; i < mi; ++i) {
+            const uint16_t *row = x + (r0 + i) * k;
+            for (int64_t j = 0; j < kp; ++j) memcpy(dst + j * TR + i, row + 2 * j, 4);
         }
     }
 }
@@ -259,6 +281,18 @@ static void block_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
 static void store_block_ld(uint16_t *y, const float *out, int64_t ld, const uint16_t *bias,
                            int64_t m, int64_t n, int64_t n0) {
     const int64_t cols = n0 + NB <= n ? NB : n - n0;
+#if defined(__AVX512F__)
+    if (cols == NB) { /* a full block: 16 lanes at a time (many-row steps store m * n) */
+        const __m512 b = bias ? bf16x16_load(bias + n0) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < m; ++i) {
+            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(out + i * ld), b);
+            _mm_storeu_si128((__m128i *)(y + i * n + n0), f32x8_to_bf16(_mm512_castps512_ps256(v)));
+            _mm_storeu_si128((__m128i *)(y + i * n + n0 + 8),
+                             f32x8_to_bf16(_mm512_extractf32x8_ps(v, 1)));
+        }
+        return;
+    }
+#endif
     for (int64_t i = 0; i < m; ++i)
         for (int64_t c = 0; c < cols; ++c)
             y[i * n + n0 + c] =
@@ -378,25 +412,30 @@ int small_matmul_bf16(const uint16_t *x, const uint16_t *w_packed, const uint16_
     int failed = 0;
 #if defined(HAS_TILES)
     if (m > MAXM) { /* past one pass of the loop above (1.4x it at 32 rows, one core) */
+        const int64_t kp = k / 2, ngroups = (nblocks + TB - 1) / TB, mt = (m + TR - 1) / TR * TR;
+        /* aligned_alloc wants a multiple of the alignment */
+        int32_t *xp = aligned_alloc(64, (sizeof(int32_t) * (size_t)(mt * kp) + 63) & ~(size_t)63);
+        if (!xp) return -1;
 #pragma omp parallel
         {
-            float *out = aligned_alloc(64, sizeof(float) * (size_t)(m * 2 * NB));
+            pack_rows(x, m, k, xp); /* ends in the for's barrier */
+            float *out = aligned_alloc(64, sizeof(float) * (size_t)(mt * TB * NB));
             if (!out) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < (nblocks + 1) / 2; ++p) {
+            for (int64_t g = 0; g < ngroups; ++g) {
                 if (!out) continue;
-                const int64_t b = 2 * p;
-                const uint16_t *w0 = w_packed + b * k * NB;
-                const int two = b + 1 < nblocks;
-                pair_bf16(x, m, k, w0, two ? w0 + k * NB : NULL, out);
-                store_block_ld(y, out, 2 * NB, bias, m, n, b * NB);
-                if (two) store_block_ld(y, out + NB, 2 * NB, bias, m, n, b * NB + NB);
+                const int64_t b0 = g * TB;
+                const int nb = nblocks - b0 < TB ? (int)(nblocks - b0) : TB;
+                group_bf16(xp, m, k, w_packed + b0 * k * NB, nb, out);
+                for (int b = 0; b < nb; ++b)
+                    store_block_ld(y, out + b * NB, TB * NB, bias, m, n, (b0 + b) * NB);
             }
             free(out);
         }
+        free(xp);
         return failed ? -1 : 0;
     }
 #endif
