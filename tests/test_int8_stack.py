@@ -139,3 +139,40 @@ def test_int8_engine_async_equals_sync_on_the_stack(tmp_path: Path,
             llm.shutdown()
         assert len(steps) >= 15 and all(m == "mixed" for m, _ in steps), steps
     assert out["on"] == out["off"]
+
+
+def test_bfloat16_int8_stack_takes_decode_steps_of_up_to_32_rows_without_amx(
+        folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the int8 VNNI body, the bfloat16 register tiles and no AMX under oneDNN, a
+    32-sequence decode step runs in one call (faster there than _int_mm op by op), with
+    the op-by-op path's greedy tokens; elsewhere the stack keeps to 8 rows."""
+    monkeypatch.delenv("FORERUN_SMALL_BATCH_TOKENS", raising=False)
+    model = _load(folder, torch.bfloat16)
+    fast = (cpu_kernels.small_matmul_is_fast(torch.bfloat16)
+            and cpu_kernels.int8_matmul_has_vnni()
+            and "AMX" not in torch.backends.cpu.get_cpu_capability())
+    with torch.inference_mode():
+        PagedDriver(model).step([("a", PROMPT)])  # settles the stack's mode
+    assert model.small_batch.max_tokens(torch.bfloat16) == (32 if fast else 8)
+    if not fast:
+        pytest.skip("no AVX512-VNNI int8 body or bf16 tiles, or oneDNN has AMX here")
+    seqs = [(s, [(7 * s + j) % 300 + 3 for j in range(6)]) for s in range(32)]
+
+    def decode(model: torch.nn.Module) -> list[int]:
+        driver = PagedDriver(model)
+        for s, prompt in seqs:
+            driver.step([(s, prompt)])
+        rows = driver.step([(s, [prompt[-1]]) for s, prompt in seqs])
+        return [int(r[-1].argmax()) for r in rows]
+
+    calls: list[torch.dtype] = []
+    real = cpu_kernels.decoder_stack_mixed
+    monkeypatch.setattr(cpu_kernels, "decoder_stack_mixed",
+                        lambda dt: calls.append(dt) or real(dt))
+    with torch.inference_mode():
+        got = decode(model)
+    assert len(calls) == 33, "the 32-row step did not take the stack"
+    monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "0")
+    with torch.inference_mode():
+        want = decode(_load(folder, torch.bfloat16))
+    assert sum(a == b for a, b in zip(got, want, strict=True)) >= 30  # bf16 q/k/v rounding
