@@ -17,6 +17,10 @@ slower (13.4 against 9.6 ms for all 30 layers on a 2-core CPU), and the one call
 the op-by-op path's per-op overhead (decode step of 32 sequences 41 -> 26 ms, of 128
 sequences 91 -> 78 ms).
 
+In bfloat16 on a CPU with AVX512-BF16 and no AMX the packed copy is also what larger steps
+compute with (:class:`~forerun.model.packed_linear.TileLinear`, the small matmul's GEMM,
+level with oneDNN's there), so the model holds its linear weights once.
+
 With ``quantization="gguf"`` (every layer linear a :class:`GGUFLinear`) the same stack runs
 with the GGUF matmul (``csrc/gguf_matmul.c``: the 32-value types and the K-quants alike) in
 place of the small matmul: the table's weight addresses are then the linears' block

@@ -1,4 +1,5 @@
-/* y = x @ w.T (+ bias) for a few rows of x: the matmuls of small-batch decode (CPU).
+/* y = x @ w.T (+ bias) for a few rows of x: the matmuls of small-batch decode (CPU); in
+ * bfloat16 without AMX also those of larger steps (packed_linear.py's TileLinear).
  *
  * At one to a few rows a linear layer is a read of its weight matrix and little else, so the
  * kernel's one job is to stream each weight from memory once, for all rows of x at once,
