@@ -18,7 +18,7 @@ from forerun.model.attention import AttentionMetadata, KVCache, paged_attention
 from forerun.model.base import CausalLM, Shard
 from forerun.model.config import ModelConfig
 from forerun.model.layers import GatedMLP, RMSNorm
-from forerun.model.packed_linear import PackedLinear, prepack_linears
+from forerun.model.packed_linear import PackedLinear, TileLinear, prepack_linears
 from forerun.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary
 from forerun.model.small_batch import SmallBatchStack
 
@@ -354,11 +354,11 @@ class LlamaForCausalLM(CausalLM):
             self.small_batch.pack()
         else:
             self.small_batch.available = False
-        tiled: dict[str, nn.Module] = {}
-        if self.small_batch.available and self.small_batch.serves_every_step(dtype):
+        tiled: dict[str, TileLinear] = {}
+        if self.small_batch.serves_every_step(dtype):
             # One copy of the weights: the small-batch path's, for steps of every size.
-            tiled = dict(self.small_batch.tile_linears())
-            if self.lm_head is not None and self.quant_head is None:
+            tiled = self.small_batch.tile_linears()
+            if self.lm_head is not None:
                 self.lm_head = tiled["head"]
         n = prepack_linears(self)
         is_last = self.pp_stage is None or self.pp_stage.is_last

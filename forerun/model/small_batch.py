@@ -182,15 +182,20 @@ class SmallBatchStack:
         self._descs: list[cpu_kernels.LinearDesc] = []
         self._default_tokens: dict[torch.dtype, int] = {}  # max_tokens' default per dtype
 
-    def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
-        """Every layer's attention and dense MLP linears (a MoE layer's experts aside)."""
+    def _layer_slots(self) -> list[tuple[str, torch.nn.Module, str]]:
+        """(key, owner, attribute) of every layer's attention and dense MLP linears (a MoE
+        layer's experts aside)."""
         out = []
         for i, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            out += [(f"{i}.qkv", attn.qkv_proj), (f"{i}.o", attn.o_proj)]
+            out += [(f"{i}.qkv", attn, "qkv_proj"), (f"{i}.o", attn, "o_proj")]
             if isinstance(mlp, GatedMLP):
-                out += [(f"{i}.gate_up", mlp.gate_up_proj), (f"{i}.down", mlp.down_proj)]
+                out += [(f"{i}.gate_up", mlp, "gate_up_proj"), (f"{i}.down", mlp, "down_proj")]
         return out
+
+    def _layer_linears(self) -> list[tuple[str, torch.nn.Module]]:
+        """Every layer's attention and dense MLP linears (a MoE layer's experts aside)."""
+        return [(key, getattr(owner, name)) for key, owner, name in self._layer_slots()]
 
     def _moe_layers(self) -> list[tuple[int, FusedMoE]]:
         return [(i, layer.mlp) for i, layer in enumerate(self.model.model.layers)
@@ -339,7 +344,7 @@ class SmallBatchStack:
         and no AMX, where its GEMM is level with oneDNN's from 32 rows on (on AMX oneDNN's
         tiles are faster, and keep their own reordered copy)."""
         return (dtype == torch.bfloat16 and self.mode == "plain" and self._linears is not None
-                and self._even and envs.cpu_bf16_tiles_enabled()
+                and "head" in self._linears and self._even and envs.cpu_bf16_tiles_enabled()
                 and cpu_kernels.small_matmul_is_fast(dtype)
                 and not cpu_kernels.small_matmul_has_amx())
 
@@ -349,16 +354,10 @@ class SmallBatchStack:
         so that the model keeps one copy of its weights; the head is the caller's to place
         (a tied head shares the embedding, which the lookup still needs as plain rows)."""
         assert self._linears is not None
-        tiled = {key: TileLinear(w, None) for key, w in self._linears.items() if key == "head"}
-        for i, layer in enumerate(self.model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            owners = [(f"{i}.qkv", attn, "qkv_proj"), (f"{i}.o", attn, "o_proj")]
-            if isinstance(mlp, GatedMLP):
-                owners += [(f"{i}.gate_up", mlp, "gate_up_proj"), (f"{i}.down", mlp, "down_proj")]
-            for key, owner, name in owners:
-                plain = getattr(owner, name)
-                tiled[key] = TileLinear(self._linears[key], plain.bias)
-                setattr(owner, name, tiled[key])
+        tiled = {"head": TileLinear(self._linears["head"], None)}
+        for key, owner, name in self._layer_slots():
+            tiled[key] = TileLinear(self._linears[key], getattr(owner, name).bias)
+            setattr(owner, name, tiled[key])
         return tiled
 
     def resident_tensors(self) -> list[torch.Tensor]:

@@ -189,8 +189,9 @@ static void block_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
  * stream rather than TR strided ones. The weight is taken in chunks of KC lines, so a chunk
  * of a block triple (48 KiB) stays near the core while every row tile passes over it; the
  * accumulators go to a float buffer between chunks. On a 2-core AVX512-BF16 CPU this runs
- * at 0.9-0.95x the dot-product unit's peak from 32 rows on, level with oneDNN's GEMM (the
- * previous 12 x 32 tile on unpacked rows: 0.72-0.84x). */
+ * at 0.89-0.97 of the dot-product unit's peak on a 1B model's linears at 32-512 rows, level
+ * with oneDNN's GEMM (benchmarks/gemm_bf16.py; the previous 12 x 32 tile on unpacked rows:
+ * 0.62-0.91). */
 #define TR 8
 #define TB 3 /* blocks per tile */
 #define KC 256
