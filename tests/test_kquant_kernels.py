@@ -127,6 +127,27 @@ def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
             _check(_run(lin, x[:m], path, lib), x[:m], _act_oracle(xd) @ wd.T, xd @ wd.T)
 
 
+@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
+def test_prompt_sized_matmuls_through_the_expanded_tiles(gguf_paths, qtype: GT) -> None:
+    """From 128 rows a call's chunk (up to 256 rows) runs against a group's tiles expanded to
+    one byte per value (ktile_gemm.c; 8 rows a pass in the 512-bit build): 128 rows, 131
+    (a 3-row tail pass) and 300 (an expanded chunk of 256, then 44 rows through the tiles)."""
+    n, k = 19, 512
+    raw = random_kblocks(qtype, n, k, np.random.default_rng(100 + int(qtype)))
+    wd = dequantize(raw, qtype).astype(np.float64)
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(11))
+    x[130, 64:96] = 0.0  # an all-zero activation block (scale 0)
+    for m in (128, 131, 300):
+        xd = x[:m].double().numpy()
+        for path, lib in gguf_paths:
+            _check(_run(lin, x[:m], path, lib), x[:m], _act_oracle(xd) @ wd.T, xd @ wd.T)
+    xb = x[:131].bfloat16()  # bfloat16 in and out, as the engine runs it
+    xd = xb.double().numpy()
+    for path, lib in gguf_paths:
+        _check(_run(lin, xb, path, lib), xb, _act_oracle(xd) @ wd.T, xd @ wd.T)
+
+
 def test_every_available_body_was_checked(gguf_variants) -> None:
     if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler here: only the torch fallback runs")

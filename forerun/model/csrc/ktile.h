@@ -32,28 +32,44 @@ static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *m
 
 /* The expanded path exists in the AVX2 build without byte dot-product instructions, where
  * unpacking a line's 4-6 bit values costs as much as the products of the rows it feeds
- * (maddubs and madd, two instructions per four values, where VNNI takes one). */
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512VNNI__) && \
-    !defined(__AVXVNNI__)
+ * (maddubs and madd, two instructions per four values, where VNNI takes one), and in the
+ * AVX512-VNNI build, where the 512-bit group bodies unpack every line once per 8 activation
+ * rows: at 8 rows a pass the unpacking is 3 (Q4_K) to 11 (Q5_K) instructions per line against
+ * 16 byte products, which a prompt of 512 rows repeats 64 times. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
+#define KTILE_EXPANDED 1
+#define KTILE_512 1
+/* Activation rows (of a call's chunk) from which a group's tiles are expanded: 512-row
+ * matmuls of the 1B's linears on 2 cores of a Zen 4, tiles -> expanded, at 128 / 256 / 512
+ * rows: Q5_K 1.10 / - / 1.27x, Q6_K 1.13 / 1.22 / 1.15x, Q4_K 1.05 / 1.02 / 1.03x; at 32
+ * and 64 rows Q4_K and Q6_K ran slower expanded (0.88-1.01x). */
+#define KTILE_MIN_ROWS 128
+#define KTILE_MAX_ROWS 8 /* rows per ktile_expanded_rows call */
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVXVNNI__) && \
+    !defined(__AVX512VNNI__)
 #define KTILE_EXPANDED 1
 /* Activation rows from which a call expands a group's tiles (the unpacking, done once, is
  * then shared by every row instead of by four). With the scales expanded 16 rows at a time,
  * 8 and 12 rows (one core, 8192 x 2048) ran 1.1-1.4x faster expanded (Q6_K at 12 level);
  * at 4 and 6 rows it was a wash. */
 #define KTILE_MIN_ROWS 8
+#define KTILE_MAX_ROWS 4
+#endif
 
+#ifdef KTILE_EXPANDED
 /* Bytes of a group's nsb tiles of ggml type `type` (12 Q4_K, 13 Q5_K, 14 Q6_K) expanded. */
 int64_t ktile_expanded_bytes(int64_t type, int64_t nsb);
 /* Expand a group's nsb tiles (16 rows x 256 nsb values) into x (ktile_expanded_bytes). */
 void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x);
-/* Activation rows one ktile_expanded_rows call takes at most (3 Q4_K/Q5_K, 4 Q6_K). */
+/* Activation rows one ktile_expanded_rows call takes at most (<= KTILE_MAX_ROWS). */
 int64_t ktile_rows_per_call(int64_t type);
 /* out[i][r] = row r of the group . activation row i, for m <= ktile_rows_per_call(type) rows
  * of qa (int8 per block of 32, k per row) with their block scales sa and scaled sums ssa
- * (per 32), as quant_matmul.c's group bodies take them. */
+ * (per 32) and, for Q6_K, ss16 (per 16, two per block), as quant_matmul.c's group bodies
+ * take them. */
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
-                         const float *sa, const float *ssa, int64_t k, int64_t m,
-                         float out[][16]);
+                         const float *sa, const float *ssa, const float *ss16, int64_t k,
+                         int64_t m, float out[][16]);
 #endif
 
 #endif

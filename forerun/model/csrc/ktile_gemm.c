@@ -27,7 +27,12 @@
 #define XL 4096 /* bytes of a super-block's expanded lines */
 #define XK_BYTES (XL + 2 * 8 * 16 * 4)
 #define X6_SCP XL
+#ifdef KTILE_512
+#define X6_SCF (XL + 16 * 64) /* Q6_K, 512-bit: the scales again as floats */
+#define X6_D (X6_SCF + 16 * 64)
+#else
 #define X6_D (XL + 16 * 64)
+#endif
 #define X6_BYTES (X6_D + 16 * 4)
 #define QK 32
 
@@ -36,6 +41,7 @@ enum { QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 }; /* ggml's type ids */
 /* See quant_matmul.c's KEEP_IN_REG: without it GCC sums a sub-block's products as a tree and
  * spills them. */
 #define KEEP_IN_REG(v) __asm__("" : "+x"(v))
+#define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
 
 int64_t ktile_expanded_bytes(int64_t type, int64_t nsb) {
     return nsb * (type == QT_Q6_K ? X6_BYTES : XK_BYTES);
@@ -84,6 +90,36 @@ static void expand_kt(int q5, const uint8_t *t, uint8_t *x) {
     }
 }
 
+#ifdef KTILE_512
+/* Q6_K for the 512-bit body: q as stored (0..63, the offset 32 taken back from the
+ * activations' sums per 16 as the tile body does), each scale as an int32 lane and as a
+ * float ([c 16][16 rows] each), d as 16 floats. */
+static void expand_q6k(const uint8_t *t, uint8_t *x) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), hi2 = _mm512_set1_epi8(0x30);
+    for (int j = 0; j < 8; ++j) {
+        const int f = j / 4, q = j % 4;
+        for (int g = 0; g < 8; ++g) {
+            const __m512i l =
+                _mm512_loadu_si512((const void *)(t + Q6T_QL + 64 * (16 * f + 8 * (q % 2) + g)));
+            const __m512i qh = _mm512_loadu_si512((const void *)(t + Q6T_QH + 64 * (8 * f + g)));
+            const __m512i lo = q / 2 ? _mm512_and_si512(_mm512_srli_epi16(l, 4), low4)
+                                     : _mm512_and_si512(l, low4);
+            const __m512i hb = q == 0   ? _mm512_slli_epi16(qh, 4)
+                               : q == 1 ? _mm512_slli_epi16(qh, 2)
+                               : q == 2 ? qh
+                                        : _mm512_srli_epi16(qh, 2);
+            _mm512_storeu_si512((void *)(x + 64 * (8 * j + g)),
+                                _mm512_or_si512(lo, _mm512_and_si512(hb, hi2)));
+        }
+    }
+    for (int c = 0; c < 16; ++c) {
+        const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * c)));
+        _mm512_storeu_si512((void *)(x + X6_SCP + 64 * c), s32);
+        _mm512_storeu_ps((float *)(x + X6_SCF + 64 * c), _mm512_cvtepi32_ps(s32));
+    }
+    _mm512_storeu_ps((float *)(x + X6_D), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t)));
+}
+#else
 static void expand_q6k(const uint8_t *t, uint8_t *x) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30),
                   off = _mm256_set1_epi8(32);
@@ -118,6 +154,7 @@ static void expand_q6k(const uint8_t *t, uint8_t *x) {
         _mm256_storeu_ps((float *)(x + X6_D) + 8 * h,
                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h))));
 }
+#endif
 
 void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x) {
     const int64_t tb = type == QT_Q6_K ? Q6T_BYTES : KT_BYTES(type == QT_Q5_K);
@@ -133,6 +170,119 @@ void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x) {
     }
 }
 
+#ifdef KTILE_512
+static inline __m512i bcast4(const int8_t *a) { /* 4 activation bytes in every lane */
+    int32_t v;
+    memcpy(&v, a, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* Q4_K / Q5_K: all 16 rows in one vector against m <= 8 activation rows: per line one load
+ * and one VNNI byte dot product per row, nothing unpacked; per sub-block of 32 the float
+ * terms of group_kt_m (d sc s, dmin mn (s sum)), in its order. */
+static inline __attribute__((always_inline)) void rows_kt_m(
+    const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
+    int64_t k, const int m, float out[][16]) {
+    const int64_t nb = k / QK;
+    __m512 acc[8];
+    for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *xb = x + b * XK_BYTES;
+        const float *dsc = (const float *)(xb + XL), *dmn = dsc + 8 * 16;
+        for (int s = 0; s < 8; ++s) {
+            __m512i sum[8];
+            for (int i = 0; i < m; ++i) sum[i] = _mm512_setzero_si512();
+            for (int g = 0; g < 8; ++g) {
+                const __m512i u = _mm512_loadu_si512((const void *)(xb + 64 * (8 * s + g)));
+                for (int i = 0; i < m; ++i) {
+                    sum[i] = _mm512_dpbusd_epi32(sum[i], u,
+                                                 bcast4(qa + i * k + b * 256 + 32 * s + 4 * g));
+                    KEEP_IN_ZMM(sum[i]);
+                }
+            }
+            const int64_t j = b * 8 + s; /* activation block */
+            const __m512 vsc = _mm512_loadu_ps(dsc + 16 * s), vmn = _mm512_loadu_ps(dmn + 16 * s);
+            for (int i = 0; i < m; ++i) {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
+                                         _mm512_mul_ps(vsc, _mm512_set1_ps(sa[i * nb + j])),
+                                         acc[i]);
+                acc[i] = _mm512_fnmadd_ps(vmn, _mm512_set1_ps(ssa[i * nb + j]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+/* Q6_K: all 16 rows against m <= 8 activation rows, group_q6k_m's arithmetic on the
+ * expanded lines: per 16 values four VNNI products per row weighted by the scale in one
+ * integer multiply, per block of 32 one float FMA (d s_j), and 32 d sum_c(sc_c s16_c) taken
+ * back per super-block. */
+static inline __attribute__((always_inline)) void rows_q6k_m(
+    const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
+    int64_t k, const int m, float out[][16]) {
+    const int64_t nb = k / QK;
+    __m512 acc[8];
+    for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *xb = x + b * X6_BYTES;
+        const __m512 d = _mm512_loadu_ps((const float *)(xb + X6_D));
+        const __m512 d32 = _mm512_mul_ps(d, _mm512_set1_ps(32.f));
+        for (int i = 0; i < m; ++i) {
+            const float *s16 = ss16 + 2 * i * nb + 16 * b;
+            __m512 corr = _mm512_mul_ps(_mm512_loadu_ps((const float *)(xb + X6_SCF)),
+                                        _mm512_set1_ps(s16[0]));
+            for (int c = 1; c < 16; ++c)
+                corr = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(xb + X6_SCF + 64 * c)),
+                                       _mm512_set1_ps(s16[c]), corr);
+            acc[i] = _mm512_fnmadd_ps(corr, d32, acc[i]);
+        }
+        for (int j = 0; j < 8; ++j) {
+            __m512i dot[8];
+            for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
+            for (int hs = 0; hs < 2; ++hs) { /* 16 values: lines 4hs..4hs+3, one scale */
+                const uint8_t *line = xb + 64 * (8 * j + 4 * hs);
+                const __m512i u0 = _mm512_loadu_si512((const void *)line);
+                const __m512i u1 = _mm512_loadu_si512((const void *)(line + 64));
+                const __m512i u2 = _mm512_loadu_si512((const void *)(line + 128));
+                const __m512i u3 = _mm512_loadu_si512((const void *)(line + 192));
+                const __m512i sc = _mm512_loadu_si512((const void *)(xb + X6_SCP + 64 * (2 * j + hs)));
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * hs;
+                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, bcast4(a));
+                    p = _mm512_dpbusd_epi32(p, u1, bcast4(a + 4));
+                    p = _mm512_dpbusd_epi32(p, u2, bcast4(a + 8));
+                    p = _mm512_dpbusd_epi32(p, u3, bcast4(a + 12));
+                    dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, sc));
+                    KEEP_IN_ZMM(dot[i]);
+                }
+            }
+            for (int i = 0; i < m; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                         _mm512_mul_ps(d, _mm512_set1_ps(sa[i * nb + b * 8 + j])),
+                                         acc[i]);
+        }
+    }
+    for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+int64_t ktile_rows_per_call(int64_t type) { (void)type; return 8; }
+
+void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
+                         const float *sa, const float *ssa, const float *ss16, int64_t k,
+                         int64_t m, float out[][16]) {
+#define ROWS(M)                                                                                 \
+    case M:                                                                                     \
+        if (type == QT_Q6_K) rows_q6k_m(x, nsb, qa, sa, ss16, k, M, out);                       \
+        else rows_kt_m(x, nsb, qa, sa, ssa, k, M, out);                                         \
+        return
+    switch (m) {
+        ROWS(1); ROWS(2); ROWS(3); ROWS(4); ROWS(5); ROWS(6); ROWS(7);
+    default:
+        ROWS(8);
+    }
+#undef ROWS
+}
+#else
 static inline __m256i bcast4(const int8_t *a) { /* 4 activation bytes in every lane */
     int32_t v;
     memcpy(&v, a, sizeof v);
@@ -245,8 +395,9 @@ static inline __attribute__((always_inline)) void rows_q6k_m(
 int64_t ktile_rows_per_call(int64_t type) { return type == QT_Q6_K ? 4 : 3; }
 
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
-                         const float *sa, const float *ssa, int64_t k, int64_t m,
-                         float out[][16]) {
+                         const float *sa, const float *ssa, const float *ss16, int64_t k,
+                         int64_t m, float out[][16]) {
+    (void)ss16; /* the AVX2 Q6_K lines hold q - 32 */
 #define Q6(M)                                                                                   \
     for (int h = 0; h < 2; ++h) rows_q6k_m(x, nsb, qa, sa, k, M, h, out);                       \
     return
@@ -270,4 +421,5 @@ void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8
 #undef Q6
 #undef KT
 }
+#endif /* KTILE_512 */
 #endif

@@ -77,6 +77,33 @@
  * not NULL, s * sum(q) per 16 values (Q6_K's sub-blocks). */
 static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *q, float *s,
                          float *ssum, float *ss16) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* The same function a block of 32 at a time in two vectors (the conversion rounds to
+     * nearest even, as nearbyintf does): the scalar loop took ~12% of a 512-row Q4_K GEMM. */
+    for (int64_t b = 0; b < k / QK; ++b) {
+        __m512 x0, x1;
+        if (x_bf16) {
+            x0 = bf16x16_load((const uint16_t *)x + b * QK);
+            x1 = bf16x16_load((const uint16_t *)x + b * QK + 16);
+        } else {
+            x0 = _mm512_loadu_ps((const float *)x + b * QK);
+            x1 = _mm512_loadu_ps((const float *)x + b * QK + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t sum0 = _mm512_reduce_add_epi32(q0), sum1 = _mm512_reduce_add_epi32(q1);
+        s[b] = d;
+        ssum[b] = d * (float)(sum0 + sum1);
+        if (ss16) {
+            ss16[2 * b] = d * (float)sum0;
+            ss16[2 * b + 1] = d * (float)sum1;
+        }
+    }
+#else
     for (int64_t b = 0; b < k / QK; ++b) {
         float xw[QK]; /* a bfloat16 row is widened a block at a time, never as a whole */
         const float *xb = (const float *)x + b * QK;
@@ -100,6 +127,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *q, float 
             ss16[2 * b + 1] = d * (float)sum[1];
         }
     }
+#endif
 }
 
 /* How the AVX2 one-row Q6_K body prefetches: step s of a tile's loop prefetches lines
@@ -1089,9 +1117,10 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                         const int64_t step = ktile_rows_per_call(type);
                         for (int64_t i = i0; i < i0 + mc; i += step) {
                             const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
-                            float out[4][GR];
+                            float out[KTILE_MAX_ROWS][GR];
                             ktile_expanded_rows(type, xt, nt, qa + i * k, sa + i * nb,
-                                                ssa + i * nb, k, mi, out);
+                                                ssa + i * nb, ss16 ? ss16 + 2 * i * nb : NULL,
+                                                k, mi, out);
                             for (int64_t t = 0; t < mi; ++t)
                                 store_row(out[t], rows, y, y_bf16, (i + t) * ldy + col, bias,
                                           col);
