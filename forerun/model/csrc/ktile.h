@@ -39,11 +39,13 @@ static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *m
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 #define KTILE_EXPANDED 1
 #define KTILE_512 1
-/* Activation rows (of a call's chunk) from which a group's tiles are expanded: 512-row
- * matmuls of the 1B's linears on 2 cores of a Zen 4, tiles -> expanded, at 128 / 256 / 512
- * rows: Q5_K 1.10 / - / 1.27x, Q6_K 1.13 / 1.22 / 1.15x, Q4_K 1.05 / 1.02 / 1.03x; at 32
- * and 64 rows Q4_K and Q6_K ran slower expanded (0.88-1.01x). */
-#define KTILE_MIN_ROWS 128
+/* Activation rows (of a call's chunk) from which a group's tiles are expanded. The 1B's
+ * linears on 2 cores of a Zen 4, tiles -> expanded, at 32 / 64 / 128 / 512 rows: Q5_K
+ * 1.03 / 1.26 / 1.10 / 1.32x, Q6_K 0.92 / 1.15 / 1.13 / 1.28x, Q4_K - / 1.00 / 1.05 /
+ * 1.11x. Below that the expansion (which reads the tiles from memory) costs what it saves. */
+static inline int64_t ktile_min_rows(int64_t type) {
+    return type == 13 ? 32 : type == 14 ? 64 : 128; /* Q5_K, Q6_K, Q4_K */
+}
 #define KTILE_MAX_ROWS 8 /* rows per ktile_expanded_rows call */
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVXVNNI__) && \
     !defined(__AVX512VNNI__)
@@ -52,7 +54,7 @@ static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *m
  * then shared by every row instead of by four). With the scales expanded 16 rows at a time,
  * 8 and 12 rows (one core, 8192 x 2048) ran 1.1-1.4x faster expanded (Q6_K at 12 level);
  * at 4 and 6 rows it was a wash. */
-#define KTILE_MIN_ROWS 8
+static inline int64_t ktile_min_rows(int64_t type) { return (void)type, 8; }
 #define KTILE_MAX_ROWS 4
 #endif
 

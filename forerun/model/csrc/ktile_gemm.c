@@ -160,9 +160,12 @@ void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x) {
     const int64_t tb = type == QT_Q6_K ? Q6T_BYTES : KT_BYTES(type == QT_Q5_K);
     for (int64_t b = 0; b < nsb; ++b) {
         /* The tiles come from memory once per call; the hardware prefetcher alone left the
-         * expansion waiting on them. */
-        for (int64_t o = 0; o < tb; o += 64)
+         * expansion waiting on them. Into L2 from 32 KB ahead as well: Q5_K at 32 rows on a
+         * Zen 4 went 160 -> 139 ms expanded. */
+        for (int64_t o = 0; o < tb; o += 64) {
             _mm_prefetch((const char *)(tiles + (b + 2) * tb + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(tiles + b * tb + 32768 + o), _MM_HINT_T1);
+        }
         if (type == QT_Q6_K)
             expand_q6k(tiles + b * Q6T_BYTES, x + b * X6_BYTES);
         else

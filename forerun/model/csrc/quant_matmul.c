@@ -1109,7 +1109,7 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
                 const int64_t col = first_row[p] + r0;
 #ifdef KTILE_EXPANDED
-                if (mc >= KTILE_MIN_ROWS &&
+                if (mc >= ktile_min_rows(type) &&
                     (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K)) {
                     uint8_t *xt = expand_scratch((size_t)ktile_expanded_bytes(type, nt));
                     if (xt) {
