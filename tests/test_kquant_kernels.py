@@ -130,9 +130,9 @@ def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
 @pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
 def test_prompt_sized_matmuls_through_the_expanded_tiles(gguf_paths, qtype: GT) -> None:
     """A call's chunk of rows (up to 256) runs against a group's tiles expanded to one byte
-    per value (ktile_gemm.c; in the 512-bit build 8 rows a pass, Q5_K from 32 rows, Q6_K from
-    64, Q4_K from 128): 128 rows, 131 (a 3-row tail pass) and 300 (an expanded chunk of 256,
-    then 44 rows, expanded for Q5_K only)."""
+    per value (ktile_gemm.c; in the 512-bit build 8 rows a pass, Q5_K and Q6_K from 32 rows,
+    Q4_K from 128; Q6_K against the activations plus 128): 128 rows, 131 (a 3-row tail pass)
+    and 300 (an expanded chunk of 256, then 44 rows, expanded for Q5_K and Q6_K only)."""
     n, k = 19, 512
     raw = random_kblocks(qtype, n, k, np.random.default_rng(100 + int(qtype)))
     wd = dequantize(raw, qtype).astype(np.float64)

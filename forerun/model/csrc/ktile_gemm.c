@@ -28,8 +28,8 @@
 #define XK_BYTES (XL + 2 * 8 * 16 * 4)
 #define X6_SCP XL
 #ifdef KTILE_512
-#define X6_SCF (XL + 16 * 64) /* Q6_K, 512-bit: the scales again as floats */
-#define X6_D (X6_SCF + 16 * 64)
+#define X6_INIT (XL + 16 * 64) /* Q6_K, 512-bit: -128 (sum of each 16 values), int32 lanes */
+#define X6_D (X6_INIT + 16 * 64)
 #else
 #define X6_D (XL + 16 * 64)
 #endif
@@ -91,13 +91,18 @@ static void expand_kt(int q5, const uint8_t *t, uint8_t *x) {
 }
 
 #ifdef KTILE_512
-/* Q6_K for the 512-bit body: q as stored (0..63, the offset 32 taken back from the
- * activations' sums per 16 as the tile body does), each scale as an int32 lane and as a
- * float ([c 16][16 rows] each), d as 16 floats. */
+/* Q6_K for the 512-bit body: w = q - 32 as int8 lines, multiplied against the activations
+ * plus 128 (unsigned: the byte product takes one operand unsigned), so each row's sum of 16
+ * values carries 128 sum(w), a constant of the weights stored here negated ([c 16][16 rows]
+ * int32) to start the sum from; then each scale as an int32 lane ([c 16][16 rows]) and d as
+ * 16 floats. The tile body instead takes the offset 32 back per 16 values in float, two FMAs
+ * per row and block that compete with the byte products for the same units. */
 static void expand_q6k(const uint8_t *t, uint8_t *x) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), hi2 = _mm512_set1_epi8(0x30);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), hi2 = _mm512_set1_epi8(0x30),
+                  off = _mm512_set1_epi8(32), ones = _mm512_set1_epi8(1);
     for (int j = 0; j < 8; ++j) {
         const int f = j / 4, q = j % 4;
+        __m512i wsum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int g = 0; g < 8; ++g) {
             const __m512i l =
                 _mm512_loadu_si512((const void *)(t + Q6T_QL + 64 * (16 * f + 8 * (q % 2) + g)));
@@ -108,15 +113,18 @@ static void expand_q6k(const uint8_t *t, uint8_t *x) {
                                : q == 1 ? _mm512_slli_epi16(qh, 2)
                                : q == 2 ? qh
                                         : _mm512_srli_epi16(qh, 2);
-            _mm512_storeu_si512((void *)(x + 64 * (8 * j + g)),
-                                _mm512_or_si512(lo, _mm512_and_si512(hb, hi2)));
+            const __m512i w = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_and_si512(hb, hi2)), off);
+            wsum[g / 4] = _mm512_dpbusd_epi32(wsum[g / 4], ones, w);
+            _mm512_storeu_si512((void *)(x + 64 * (8 * j + g)), w);
         }
+        for (int hs = 0; hs < 2; ++hs)
+            _mm512_storeu_si512((void *)(x + X6_INIT + 64 * (2 * j + hs)),
+                                _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                 _mm512_slli_epi32(wsum[hs], 7)));
     }
-    for (int c = 0; c < 16; ++c) {
-        const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * c)));
-        _mm512_storeu_si512((void *)(x + X6_SCP + 64 * c), s32);
-        _mm512_storeu_ps((float *)(x + X6_SCF + 64 * c), _mm512_cvtepi32_ps(s32));
-    }
+    for (int c = 0; c < 16; ++c)
+        _mm512_storeu_si512((void *)(x + X6_SCP + 64 * c),
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * c))));
     _mm512_storeu_ps((float *)(x + X6_D), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t)));
 }
 #else
@@ -216,45 +224,36 @@ static inline __attribute__((always_inline)) void rows_kt_m(
     for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 
-/* Q6_K: all 16 rows against m <= 8 activation rows, group_q6k_m's arithmetic on the
- * expanded lines: per 16 values four VNNI products per row weighted by the scale in one
- * integer multiply, per block of 32 one float FMA (d s_j), and 32 d sum_c(sc_c s16_c) taken
- * back per super-block. */
+/* Q6_K: all 16 rows against m <= 8 activation rows (qa: plus 128, as uint8): per 16
+ * values four VNNI products per row from the stored -128 sum(w), weighted by the scale in one
+ * integer multiply; per block of 32 one float FMA (d s_j). */
 static inline __attribute__((always_inline)) void rows_q6k_m(
-    const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
-    int64_t k, const int m, float out[][16]) {
+    const uint8_t *x, int64_t nsb, const uint8_t *qa, const float *sa, int64_t k, const int m,
+    float out[][16]) {
     const int64_t nb = k / QK;
     __m512 acc[8];
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *xb = x + b * X6_BYTES;
         const __m512 d = _mm512_loadu_ps((const float *)(xb + X6_D));
-        const __m512 d32 = _mm512_mul_ps(d, _mm512_set1_ps(32.f));
-        for (int i = 0; i < m; ++i) {
-            const float *s16 = ss16 + 2 * i * nb + 16 * b;
-            __m512 corr = _mm512_mul_ps(_mm512_loadu_ps((const float *)(xb + X6_SCF)),
-                                        _mm512_set1_ps(s16[0]));
-            for (int c = 1; c < 16; ++c)
-                corr = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(xb + X6_SCF + 64 * c)),
-                                       _mm512_set1_ps(s16[c]), corr);
-            acc[i] = _mm512_fnmadd_ps(corr, d32, acc[i]);
-        }
         for (int j = 0; j < 8; ++j) {
             __m512i dot[8];
             for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
             for (int hs = 0; hs < 2; ++hs) { /* 16 values: lines 4hs..4hs+3, one scale */
                 const uint8_t *line = xb + 64 * (8 * j + 4 * hs);
-                const __m512i u0 = _mm512_loadu_si512((const void *)line);
-                const __m512i u1 = _mm512_loadu_si512((const void *)(line + 64));
-                const __m512i u2 = _mm512_loadu_si512((const void *)(line + 128));
-                const __m512i u3 = _mm512_loadu_si512((const void *)(line + 192));
-                const __m512i sc = _mm512_loadu_si512((const void *)(xb + X6_SCP + 64 * (2 * j + hs)));
+                const __m512i w0 = _mm512_loadu_si512((const void *)line);
+                const __m512i w1 = _mm512_loadu_si512((const void *)(line + 64));
+                const __m512i w2 = _mm512_loadu_si512((const void *)(line + 128));
+                const __m512i w3 = _mm512_loadu_si512((const void *)(line + 192));
+                const int64_t c = 2 * j + hs;
+                const __m512i sc = _mm512_loadu_si512((const void *)(xb + X6_SCP + 64 * c));
+                const __m512i init = _mm512_loadu_si512((const void *)(xb + X6_INIT + 64 * c));
                 for (int i = 0; i < m; ++i) {
-                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * hs;
-                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, bcast4(a));
-                    p = _mm512_dpbusd_epi32(p, u1, bcast4(a + 4));
-                    p = _mm512_dpbusd_epi32(p, u2, bcast4(a + 8));
-                    p = _mm512_dpbusd_epi32(p, u3, bcast4(a + 12));
+                    const int8_t *a = (const int8_t *)qa + i * k + b * 256 + 16 * c;
+                    __m512i p = _mm512_dpbusd_epi32(init, bcast4(a), w0);
+                    p = _mm512_dpbusd_epi32(p, bcast4(a + 4), w1);
+                    p = _mm512_dpbusd_epi32(p, bcast4(a + 8), w2);
+                    p = _mm512_dpbusd_epi32(p, bcast4(a + 12), w3);
                     dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, sc));
                     KEEP_IN_ZMM(dot[i]);
                 }
@@ -271,11 +270,11 @@ static inline __attribute__((always_inline)) void rows_q6k_m(
 int64_t ktile_rows_per_call(int64_t type) { (void)type; return 8; }
 
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
-                         const float *sa, const float *ssa, const float *ss16, int64_t k,
-                         int64_t m, float out[][16]) {
+                         const float *sa, const float *ssa, int64_t k, int64_t m,
+                         float out[][16]) {
 #define ROWS(M)                                                                                 \
     case M:                                                                                     \
-        if (type == QT_Q6_K) rows_q6k_m(x, nsb, qa, sa, ss16, k, M, out);                       \
+        if (type == QT_Q6_K) rows_q6k_m(x, nsb, (const uint8_t *)qa, sa, k, M, out);            \
         else rows_kt_m(x, nsb, qa, sa, ssa, k, M, out);                                         \
         return
     switch (m) {
@@ -398,9 +397,8 @@ static inline __attribute__((always_inline)) void rows_q6k_m(
 int64_t ktile_rows_per_call(int64_t type) { return type == QT_Q6_K ? 4 : 3; }
 
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
-                         const float *sa, const float *ssa, const float *ss16, int64_t k,
-                         int64_t m, float out[][16]) {
-    (void)ss16; /* the AVX2 Q6_K lines hold q - 32 */
+                         const float *sa, const float *ssa, int64_t k, int64_t m,
+                         float out[][16]) {
 #define Q6(M)                                                                                   \
     for (int h = 0; h < 2; ++h) rows_q6k_m(x, nsb, qa, sa, k, M, h, out);                       \
     return

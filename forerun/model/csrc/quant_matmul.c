@@ -1078,21 +1078,30 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
     const int64_t nb = k / QK;
     int with16 = 0; /* Q6_K's sums per 16, only where a part needs them */
     for (int64_t p = 0; p < w->nparts; ++p) with16 |= w->type[p] == QT_Q6_K;
-    /* One allocation: quantized rows, then scales and scaled sums (per 32, [per 16]). */
+    /* One allocation: quantized rows, [the same plus 128 for the expanded Q6_K body,] then
+     * scales and scaled sums (per 32, [per 16]). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    char *scratch = thread_scratch(qbytes + sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
+    size_t ubytes = 0;
+#ifdef KTILE_Q6K_UNSIGNED
+    if (with16 && m >= ktile_min_rows(QT_Q6_K)) ubytes = qbytes;
+#endif
+    char *scratch = thread_scratch(qbytes + ubytes +
+                                   sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
     if (!scratch) return -1;
-    int8_t *qa = (int8_t *)scratch;
-    float *sa = (float *)(scratch + qbytes), *ssa = sa + m * nb;
+    int8_t *qa = (int8_t *)scratch, *qu = ubytes ? (int8_t *)scratch + qbytes : NULL;
+    float *sa = (float *)(scratch + qbytes + ubytes), *ssa = sa + m * nb;
     float *ss16 = with16 ? ssa + m * nb : NULL;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; ++i)
+        for (int64_t i = 0; i < m; ++i) {
             quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + i * k)
                                 : (const void *)((const float *)x + i * k),
                          x_bf16, k, qa + i * k, sa + i * nb, ssa + i * nb,
                          with16 ? ss16 + 2 * i * nb : NULL);
+            if (qu)
+                for (int64_t j = 0; j < k; ++j) qu[i * k + j] = (int8_t)(qa[i * k + j] ^ 0x80);
+        }
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
             /* Guided, not static: the engine's other threads (the scheduler planning the next
@@ -1118,8 +1127,12 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                         for (int64_t i = i0; i < i0 + mc; i += step) {
                             const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
                             float out[KTILE_MAX_ROWS][GR];
-                            ktile_expanded_rows(type, xt, nt, qa + i * k, sa + i * nb,
-                                                ssa + i * nb, ss16 ? ss16 + 2 * i * nb : NULL,
+#ifdef KTILE_Q6K_UNSIGNED
+                            const int8_t *rows_q = (type == QT_Q6_K ? qu : qa) + i * k;
+#else
+                            const int8_t *rows_q = qa + i * k;
+#endif
+                            ktile_expanded_rows(type, xt, nt, rows_q, sa + i * nb, ssa + i * nb,
                                                 k, mi, out);
                             for (int64_t t = 0; t < mi; ++t)
                                 store_row(out[t], rows, y, y_bf16, (i + t) * ldy + col, bias,
