@@ -7,6 +7,7 @@ is crossed in prefill, chunked prefill and decode, over 4-token KV blocks.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -105,19 +106,23 @@ def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-_GREEDY: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+# Per model object, weakly: keyed by id(), a model of the next architecture could reuse a
+# freed model's id and get its tokens (it did, in the full suite).
+_Runs = dict[tuple[tuple[int, ...], int], list[int]]  # (prompt, n) -> tokens
+_GREEDY: weakref.WeakKeyDictionary[torch.nn.Module, _Runs] = weakref.WeakKeyDictionary()
 
 
 def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy tokens by full recompute (once per model, prompt and length:
     several tests ask)."""
-    key = (id(hf), tuple(prompt), n)
-    if key not in _GREEDY:
+    cache = _GREEDY.setdefault(hf, {})
+    key = (tuple(prompt), n)
+    if key not in cache:
         ids = list(prompt)
         for _ in range(n):
             ids.append(int(_hf_logits(hf, ids)[-1].argmax()))
-        _GREEDY[key] = ids[len(prompt):]
-    return _GREEDY[key]
+        cache[key] = ids[len(prompt):]
+    return cache[key]
 
 
 def test_config_marks_sliding_layers(tiny) -> None:

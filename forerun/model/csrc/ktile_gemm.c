@@ -1,20 +1,24 @@
 /* Q4_K, Q5_K and Q6_K tiles against many activation rows (a prefill, a large batch) in the
- * AVX2 build without VNNI: a group's tiles are first expanded to one byte per value (the
- * 4-5 bit value with its high bits merged, 0..31; Q6_K's q - 32, -32..31) and their scales
- * to the forms the body multiplies by, once per call; the rows then run against the bytes,
- * three or four at a time, with no unpacking. quant_matmul.c's group bodies unpack every
- * line for every four activation rows, which on this instruction set costs about what the
- * byte products cost. The function computed is theirs: Q4_K/Q5_K with the same integer sums
- * and float terms in the same order; Q6_K's integer sums include the offset -32, where theirs
- * take it back from the activations' sums in float (equal up to float rounding).
+ * AVX2 build without VNNI and in the AVX512-VNNI build: a group's tiles are first expanded to
+ * one byte per value (the 4-5 bit value with its high bits merged, 0..31; Q6_K's q - 32,
+ * -32..31) and their scales to the forms the body multiplies by, once per call chunk; the
+ * rows then run against the bytes with no unpacking (AVX2: three or four rows at a time,
+ * 512-bit: eight). quant_matmul.c's group bodies unpack every line once per pass of rows,
+ * which on AVX2 costs about what the byte products cost, and with AVX512-VNNI 3 (Q4_K) to 11
+ * (Q5_K) instructions against a line's 16 byte products at 8 rows. The function computed is
+ * theirs: Q4_K/Q5_K with the same integer sums and float terms in the same order; Q6_K's
+ * integer sums include the offset -32, where theirs take it back from the activations' sums
+ * in float (equal up to float rounding).
  *
  * Expanded layouts, per super-block of a group (16 rows x 256 values); a line is 64 bytes,
  * 4 consecutive values of each of the 16 rows (row r at bytes 4r..4r+3), as in the tiles:
  *   Q4_K / Q5_K: lines [sub-block s 8][g 8] (values 32s + 4g..4g+3), then d*sc and dmin*mn
- *                as [s 8][16 rows] floats;
- *   Q6_K:        lines [block j 8][g 8] (values 32j + 4g..4g+3) holding q - 32 as int8,
+ *                as [s 8][16 rows] floats (both builds);
+ *   Q6_K (AVX2): lines [block j 8][g 8] (values 32j + 4g..4g+3) holding q - 32 as int8,
  *                then the 16 int8 scales per row as int32 lanes holding the int16 pair
- *                (s, s) ([c 16][16 rows]), then d as 16 floats.
+ *                (s, s) ([c 16][16 rows]), then d as 16 floats;
+ *   Q6_K (512):  the same lines, then the scales as int32 lanes, then -128 times each row's
+ *                sum of each 16 values ([c 16][16 rows] int32: see expand_q6k), then d.
  * Built and loaded by forerun/model/cpu_kernels.py. */
 #include "ktile.h"
 
