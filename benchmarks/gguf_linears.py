@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -37,16 +36,12 @@ from machine_load import check_quiet
 from forerun.model import cpu_kernels
 from forerun.model.quant.gguf_blocks import TILED_TYPES, repack_tiles
 
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # as cpu_kernels builds
-
 
 def build(csrc: Path, out_dir: Path) -> ctypes.CDLL:
-    """The GGUF matmul of the source tree ``csrc`` alone, as a shared library."""
-    out = out_dir / f"gguf_{len(list(out_dir.iterdir()))}.so"
-    sources = [str(csrc / name) for name in cpu_kernels.GGUF_SOURCES]
-    subprocess.run(["cc", *FLAGS, "-shared", "-I", str(csrc), *sources, "-o", str(out)],
-                   check=True)
-    lib = ctypes.CDLL(str(out))
+    """The GGUF matmul of the source tree ``csrc`` alone, built as the kernel library is."""
+    tag = f"-{len(list(out_dir.glob('*.so')))}"
+    lib = cpu_kernels.build_library([csrc / name for name in cpu_kernels.GGUF_SOURCES],
+                                    out_dir / f"gguf{tag}.so", suffix=tag)
     cpu_kernels.bind_gguf_kernels(lib)
     return lib
 

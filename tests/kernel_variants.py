@@ -7,7 +7,6 @@ import ctypes
 from collections.abc import Callable
 from pathlib import Path
 
-from forerun import envs
 from forerun.model import cpu_kernels
 
 
@@ -17,16 +16,10 @@ def build_quant_variant(march: str, out_dir: Path,
                         ) -> ctypes.CDLL:
     """``csrc/<sources>`` alone, built with ``-march=<march>`` into ``out_dir`` (as
     ``<first source>-<march>.so``), loaded and its entry points typed by ``bind``."""
-    compiler = envs.c_compiler()
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = Path(sources[0]).stem
-    target = out_dir / f"{stem}-{march}.so"
-    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels._FLAGS]
-    objects = cpu_kernels.compile_objects(
-        compiler, flags, [cpu_kernels._CSRC / source for source in sources], out_dir,
-        suffix=f"-{march}")
-    cpu_kernels._run([compiler, *cpu_kernels._LINK_FLAGS, "-o", str(target), *objects, "-lm"])
-    lib = ctypes.CDLL(str(target))
+    target = out_dir / f"{Path(sources[0]).stem}-{march}.so"
+    lib = cpu_kernels.build_library([cpu_kernels._CSRC / source for source in sources], target,
+                                    march, suffix=f"-{march}")
     bind(lib)
     return lib
 

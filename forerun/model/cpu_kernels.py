@@ -112,6 +112,19 @@ def compile_objects(compiler: str, flags: list[str], sources: list[Path],
     return objects
 
 
+def build_library(sources: list[Path], target: Path, march: str = "native",
+                  suffix: str = "") -> ctypes.CDLL:
+    """``sources`` alone (each with the headers beside it), compiled as the kernel library
+    is but with ``-march=<march>``, objects named ``<stem><suffix>.o`` beside ``target``,
+    linked into ``target`` and loaded (its entry points untyped): the tests' builds for
+    other instruction sets, and a benchmark's build of another source tree."""
+    compiler = envs.c_compiler()
+    flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
+    objects = compile_objects(compiler, flags, sources, target.parent, suffix)
+    _run([compiler, *_LINK_FLAGS, "-o", str(target), *objects, "-lm"])
+    return ctypes.CDLL(str(target))
+
+
 def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

@@ -6,6 +6,8 @@
 #define FORERUN_KTILE_H
 #include <stdint.h>
 
+#include "qtile.h"
+
 #define KT_QS(q5) ((q5) ? 768 : 256)     /* Q4_K/Q5_K: offset of the quant lines in a tile */
 #define KT_BYTES(q5) ((q5) ? 2816 : 2304) /* Q4_K/Q5_K: bytes of a tile */
 #define Q6T_BYTES 3360                    /* Q6_K: bytes of a tile */
@@ -41,14 +43,13 @@ static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *m
 #define KTILE_512 1
 /* Activation rows (of a call's chunk) from which a group's tiles are expanded. The 1B's
  * linears on 2 cores of a Zen 4, tiles -> expanded, at 32 / 64 / 128 / 512 rows: Q5_K
- * 1.03 / 1.26 / 1.10 / 1.32x, Q6_K 1.15 / 1.25 / - / 1.27x, Q4_K - / 1.00 / 1.05 / 1.11x
- * (this VM's speed drifts ~10% between runs). Below that the expansion, which reads the
- * tiles from memory, costs what it saves. */
+ * 1.03 / 1.26 / 1.10 / 1.32x, Q6_K 1.15 / 1.25 / - / 1.27x, Q4_K - / 1.00 / 1.05 / 1.11x;
+ * at 16 rows Q5_K and Q6_K 0.89x. Below that the expansion, which reads the tiles from
+ * memory, costs what it saves. */
 static inline int64_t ktile_min_rows(int64_t type) {
-    return type == 13 ? 32 : type == 14 ? 32 : 128; /* Q5_K, Q6_K, Q4_K */
+    return type == QT_Q5_K || type == QT_Q6_K ? 32 : 128;
 }
 #define KTILE_MAX_ROWS 8 /* rows per ktile_expanded_rows call */
-#define KTILE_Q6K_UNSIGNED 1 /* Q6_K takes the activations plus 128 (see ktile_gemm.c) */
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVXVNNI__) && \
     !defined(__AVX512VNNI__)
 #define KTILE_EXPANDED 1
@@ -68,8 +69,8 @@ void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x);
 /* Activation rows one ktile_expanded_rows call takes at most (<= KTILE_MAX_ROWS). */
 int64_t ktile_rows_per_call(int64_t type);
 /* out[i][r] = row r of the group . activation row i, for m <= ktile_rows_per_call(type) rows
- * of qa (int8 per block of 32, k per row; for Q6_K where KTILE_Q6K_UNSIGNED, those bytes
- * plus 128 as uint8) with their block scales sa and scaled sums ssa (per 32), as
+ * of qa (int8 per block of 32, k per row; for Q6_K in the 512-bit build (KTILE_512) those
+ * bytes plus 128, read as uint8) with their block scales sa and scaled sums ssa (per 32), as
  * quant_matmul.c's group bodies take them. */
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
                          const float *sa, const float *ssa, int64_t k, int64_t m,

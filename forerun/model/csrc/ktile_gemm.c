@@ -40,7 +40,6 @@
 #define X6_BYTES (X6_D + 16 * 4)
 #define QK 32
 
-enum { QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 }; /* ggml's type ids */
 
 /* See quant_matmul.c's KEEP_IN_REG: without it GCC sums a sub-block's products as a tree and
  * spills them. */
@@ -232,7 +231,7 @@ static inline __attribute__((always_inline)) void rows_kt_m(
  * values four VNNI products per row from the stored -128 sum(w), weighted by the scale in one
  * integer multiply; per block of 32 one float FMA (d s_j). */
 static inline __attribute__((always_inline)) void rows_q6k_m(
-    const uint8_t *x, int64_t nsb, const uint8_t *qa, const float *sa, int64_t k, const int m,
+    const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, int64_t k, const int m,
     float out[][16]) {
     const int64_t nb = k / QK;
     __m512 acc[8];
@@ -253,7 +252,7 @@ static inline __attribute__((always_inline)) void rows_q6k_m(
                 const __m512i sc = _mm512_loadu_si512((const void *)(xb + X6_SCP + 64 * c));
                 const __m512i init = _mm512_loadu_si512((const void *)(xb + X6_INIT + 64 * c));
                 for (int i = 0; i < m; ++i) {
-                    const int8_t *a = (const int8_t *)qa + i * k + b * 256 + 16 * c;
+                    const int8_t *a = qa + i * k + b * 256 + 16 * c;
                     __m512i p = _mm512_dpbusd_epi32(init, bcast4(a), w0);
                     p = _mm512_dpbusd_epi32(p, bcast4(a + 4), w1);
                     p = _mm512_dpbusd_epi32(p, bcast4(a + 8), w2);
@@ -278,7 +277,7 @@ void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8
                          float out[][16]) {
 #define ROWS(M)                                                                                 \
     case M:                                                                                     \
-        if (type == QT_Q6_K) rows_q6k_m(x, nsb, (const uint8_t *)qa, sa, k, M, out);            \
+        if (type == QT_Q6_K) rows_q6k_m(x, nsb, qa, sa, k, M, out);                              \
         else rows_kt_m(x, nsb, qa, sa, ssa, k, M, out);                                         \
         return
     switch (m) {

@@ -1082,7 +1082,7 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
      * scales and scaled sums (per 32, [per 16]). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
     size_t ubytes = 0;
-#ifdef KTILE_Q6K_UNSIGNED
+#ifdef KTILE_512 /* its expanded Q6_K body multiplies the activations plus 128 */
     if (with16 && m >= ktile_min_rows(QT_Q6_K)) ubytes = qbytes;
 #endif
     char *scratch = thread_scratch(qbytes + ubytes +
@@ -1127,7 +1127,7 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                         for (int64_t i = i0; i < i0 + mc; i += step) {
                             const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
                             float out[KTILE_MAX_ROWS][GR];
-#ifdef KTILE_Q6K_UNSIGNED
+#ifdef KTILE_512
                             const int8_t *rows_q = (type == QT_Q6_K ? qu : qa) + i * k;
 #else
                             const int8_t *rows_q = qa + i * k;
