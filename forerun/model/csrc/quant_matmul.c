@@ -69,7 +69,12 @@
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 /* How far ahead of the tile being read the 512-bit bodies prefetch, into L2: a GEMV of
  * 300 MB streamed from DRAM on 2 cores went 16-18 -> 18-20 GB/s (Q4_0, one row), 8 -> 14
- * (eight rows); 1-16 KB ahead into L1 did no better than the hardware alone. */
+ * (eight rows); 1-16 KB ahead into L1 did no better than the hardware alone. Later, on a
+ * Zen 4 (the 1B's linears, one row, 2 cores): the bodies that read a tile's lines in order
+ * (Q4_0/Q8_0, Q4_K/Q5_K) streamed 1.03-1.17x faster leaving one row to the hardware
+ * prefetcher (a tile's prefetches issued at once stalled on full miss buffers), while Q6_K,
+ * whose lines are read out of order, went 1.10-1.2x faster with its prefetches spread over
+ * the tile's blocks (at 8 rows too) instead of issued at its start. */
 #define PF_BYTES 32768
 
 /* ---- activations ------------------------------------------------------------------------ */
@@ -191,8 +196,9 @@ static inline __attribute__((always_inline)) void group_rows_m(
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *t = tiles + b * tb, *lines = t + hdr;
-        for (int64_t o = 0; o < tb; o += 64)
-            _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
+            for (int64_t o = 0; o < tb; o += 64)
+                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
         const __m512 d = mx ? e8m0_half16(t)
                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
         /* c = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0: u = q + 128), -12 d (MXFP4) */
@@ -450,8 +456,9 @@ static inline __attribute__((always_inline)) void group_kt_m(
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *t = tiles + b * tb;
-        for (int64_t o = 0; o < tb; o += 64)
-            _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
+            for (int64_t o = 0; o < tb; o += 64)
+                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
         __m128i c[12];
         for (int j = 0; j < 12; ++j) c[j] = _mm_loadu_si128((const __m128i *)(t + 64 + 16 * j));
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
@@ -709,8 +716,6 @@ static inline __attribute__((always_inline)) void group_q6k_m(
     for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *t = tiles + b * Q6T_BYTES;
-        for (int64_t o = 0; o < Q6T_BYTES; o += 64)
-            _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
         __m512i sc[16];
         for (int c = 0; c < 16; ++c)
@@ -726,6 +731,8 @@ static inline __attribute__((always_inline)) void group_q6k_m(
         for (int i = 0; i < m; ++i) fix[i] = _mm512_fmadd_ps(corr[i], d, fix[i]);
         for (int j = 0; j < 8; ++j) { /* block of 32: half f, block q of the half */
             const int f = j / 4, q = j % 4;
+            for (int64_t o = 448 * j; o < 448 * (j + 1) && o < Q6T_BYTES; o += 64) /* 7 lines */
+                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
             __m512i dot[MAXM_K];
             for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
             for (int hs = 0; hs < 2; ++hs) { /* 16 values: lines 4hs..4hs+3, one scale */
