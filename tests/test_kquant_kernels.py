@@ -40,35 +40,14 @@ def _weights(qtype: GT, n: int, k: int, seed: int, random_bytes: bool) -> np.nda
     return pack_kquant(rng.standard_normal((n, k)).astype(np.float32), qtype)
 
 
-def _act_oracle(x: np.ndarray, blocks: list[int] | None = None) -> np.ndarray:
-    """x after the activation quantization the kernels use (row i per ``blocks[i]`` values,
-    32 where not given, one scale max|x| / 127, round half to even), in float64."""
+def _act_oracle(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x after the activation quantization the kernels use (per ``block`` values, one scale
+    max|x| / 127, round half to even), in float64."""
     m, k = x.shape
-    blocks = blocks or [32] * m
-    out = np.empty_like(x)
-    for block in set(blocks):
-        rows = [i for i in range(m) if blocks[i] == block]
-        xb = x[rows].reshape(len(rows), k // block, block)
-        s = np.abs(xb).max(axis=-1, keepdims=True) / 127.0
-        q = np.round(np.divide(xb, s, out=np.zeros_like(xb), where=s > 0))
-        out[rows] = (q * s).reshape(len(rows), k)
-    return out
-
-
-def _blocks(path: str, lib: ctypes.CDLL | None, qtype: GT, m: int) -> list[int]:
-    """Values per activation scale of each of m rows as the build ``lib`` (None: the kernel
-    library) quantizes them for a part of ``qtype``: 32, or 256 where its 512-bit expanded
-    K-quant bodies run (they take one scale per super-block); the torch function: 32."""
-    if path == "torch":
-        return [32] * m
-    return cpu_kernels.gguf_act_blocks(int(qtype), m, lib)
-
-
-def _oracle(xd: np.ndarray, wd: np.ndarray, path: str, lib: ctypes.CDLL | None,
-            qtype: GT) -> np.ndarray:
-    """The product the build ``lib`` computes: x rounded as it rounds x, times the float64
-    dequantized weight."""
-    return _act_oracle(xd, _blocks(path, lib, qtype, xd.shape[0])) @ wd.T
+    xb = x.reshape(m, k // block, block)
+    s = np.abs(xb).max(axis=-1, keepdims=True) / 127.0
+    q = np.round(np.divide(xb, s, out=np.zeros_like(xb), where=s > 0))
+    return (q * s).reshape(m, k)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, oracle: np.ndarray, exact: np.ndarray) -> None:
@@ -101,8 +80,9 @@ def test_kquant_matmul_matches_float64_oracle(gguf_paths, qtype: GT, shape, rand
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     x[0, :32] = 0.0  # an all-zero activation block (scale 0)
     xd = x.double().numpy()
+    oracle, exact = _act_oracle(xd) @ wd.T, xd @ wd.T
     for path, lib in gguf_paths:
-        _check(_run(lin, x, path, lib), x, _oracle(xd, wd, path, lib, qtype), xd @ wd.T)
+        _check(_run(lin, x, path, lib), x, oracle, exact)
 
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
@@ -124,8 +104,9 @@ def test_largest_quants_against_largest_activations_do_not_overflow(gguf_paths, 
     x[2::3, ::2] = -1.0
     for rows in (x[:3], x):  # Q6_K: 3 rows through its row body, 40 through the tiles
         xd = rows.double().numpy()
+        oracle = _act_oracle(xd) @ wd.T
         for path, lib in gguf_paths:
-            _check(_run(lin, rows, path, lib), rows, _oracle(xd, wd, path, lib, qtype), xd @ wd.T)
+            _check(_run(lin, rows, path, lib), rows, oracle, xd @ wd.T)
 
 
 @pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
@@ -134,48 +115,38 @@ def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
     each count its own compiled instance: 2 and 6 rows end on the 2-row one (the Q6_K row
     body's two FMA chains), 33 to 39 rows (many-row tiles for every type; in the AVX2 build
     the tiles expanded to bytes, ktile_gemm.c, from 8 rows, 3 or 4 a pass) on the 1- to 7-row
-    ones; 8 and 10 rows are the fewest the AVX2 build expands, 16 and 20 the fewest the
-    512-bit build expands (Q6_K)."""
+    ones; 8 and 10 rows are the fewest the AVX2 build expands."""
     n, k = 19, 512
     raw = random_kblocks(qtype, n, k, np.random.default_rng(int(qtype)))
     wd = dequantize(raw, qtype).astype(np.float64)
     lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k)
     x = torch.randn(39, k, generator=torch.Generator().manual_seed(5))
-    for m in (2, 6, 8, 10, 16, 20, 33, 34, 35, 36, 37, 39):
+    for m in (2, 6, 8, 10, 33, 34, 35, 36, 37, 39):
         xd = x[:m].double().numpy()
         for path, lib in gguf_paths:
-            _check(_run(lin, x[:m], path, lib), x[:m], _oracle(xd, wd, path, lib, qtype),
-                   xd @ wd.T)
+            _check(_run(lin, x[:m], path, lib), x[:m], _act_oracle(xd) @ wd.T, xd @ wd.T)
 
 
 @pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
 def test_prompt_sized_matmuls_through_the_expanded_tiles(gguf_paths, qtype: GT) -> None:
     """A call's chunk of rows (up to 256) runs against a group's tiles expanded to one byte
-    per value (ktile_gemm.c; in the 512-bit build 8 rows a pass, Q6_K from 16 rows, Q5_K from
-    32, Q4_K from 128; Q6_K against the activations plus 128, one scale per 256 values): 128
-    rows, 131 (a 3-row tail pass) and 300 (an expanded chunk of 256, then 44 rows, expanded
-    for Q5_K and Q6_K only)."""
+    per value (ktile_gemm.c; in the 512-bit build 8 rows a pass, Q5_K and Q6_K from 32 rows,
+    Q4_K from 128; Q6_K against the activations plus 128): 128 rows, 131 (a 3-row tail pass)
+    and 300 (an expanded chunk of 256, then 44 rows, expanded for Q5_K and Q6_K only)."""
     n, k = 19, 512
     raw = random_kblocks(qtype, n, k, np.random.default_rng(100 + int(qtype)))
     wd = dequantize(raw, qtype).astype(np.float64)
     lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(11))
     x[130, 64:96] = 0.0  # an all-zero activation block (scale 0)
-    x[129, 256:] = 0.0  # an all-zero super-block
-    seen = set()
     for m in (128, 131, 300):
         xd = x[:m].double().numpy()
         for path, lib in gguf_paths:
-            seen |= {(path, b) for b in _blocks(path, lib, qtype, m)}
-            _check(_run(lin, x[:m], path, lib), x[:m], _oracle(xd, wd, path, lib, qtype),
-                   xd @ wd.T)
-    if (qtype == GT.Q6_K and {"avx512_vnni", "avx512bw", "f16c", "fma"} <= cpu_flags()
-            and ("native", 256) not in seen):
-        pytest.fail("the native build on an AVX512-VNNI CPU ran no Q6_K row per 256 values")
+            _check(_run(lin, x[:m], path, lib), x[:m], _act_oracle(xd) @ wd.T, xd @ wd.T)
     xb = x[:131].bfloat16()  # bfloat16 in and out, as the engine runs it
     xd = xb.double().numpy()
     for path, lib in gguf_paths:
-        _check(_run(lin, xb, path, lib), xb, _oracle(xd, wd, path, lib, qtype), xd @ wd.T)
+        _check(_run(lin, xb, path, lib), xb, _act_oracle(xd) @ wd.T, xd @ wd.T)
 
 
 def test_every_available_body_was_checked(gguf_variants) -> None:
@@ -217,25 +188,26 @@ def test_bias_bfloat16_and_module_call(gguf_paths, qtype: GT) -> None:
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
     for xin, b in ((x, bias), (x.bfloat16(), bias.bfloat16())):
         xd, bd = xin.double().numpy(), b.double().numpy()
+        oracle, exact = _act_oracle(xd) @ wd.T + bd, xd @ wd.T + bd
         for path, lib in gguf_paths:
             y = _run(lin, xin, path, lib, b)
             assert y.dtype == xin.dtype
-            _check(y, xin, _oracle(xd, wd, path, lib, qtype) + bd, xd @ wd.T + bd)
+            _check(y, xin, oracle, exact)
     # The module itself (kernel where it is built), leading dimensions kept.
     lin.bias = torch.nn.Parameter(bias, requires_grad=False)
     y = lin(x.reshape(5, 1, 512))
     assert y.shape == (5, 1, 40)
     xd = x.double().numpy()
-    _check(y.reshape(5, 40), x, _oracle(xd, wd, "native", None, qtype) + bias.double().numpy(),
+    _check(y.reshape(5, 40), x, _act_oracle(xd) @ wd.T + bias.double().numpy(),
            xd @ wd.T + bias.double().numpy())
 
 
-def _fused_oracles(raws: list[tuple[GT, np.ndarray]], x: torch.Tensor, bias: torch.Tensor,
-                   path: str = "native") -> tuple[np.ndarray, np.ndarray]:
-    """(the product with x quantized as the kernel library (or the torch ``path``) does for
-    each part, the exact product) of the parts ``raws`` stacked, plus ``bias``, in float64."""
+def _fused_oracles(raws: list[tuple[GT, np.ndarray]], x: torch.Tensor, bias: torch.Tensor
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(the product with x quantized as the kernels do, the exact product) of the parts
+    ``raws`` stacked, plus ``bias``, in float64."""
     xd = x.double().numpy()
-    oracle = np.concatenate([_oracle(xd, dequantize(r, t).astype(np.float64), path, None, t)
+    oracle = np.concatenate([_act_oracle(xd) @ dequantize(r, t).astype(np.float64).T
                              for t, r in raws], axis=1) + bias.double().numpy()
     exact = xd @ np.concatenate([dequantize(r, t) for t, r in raws]).astype(
         np.float64).T + bias.double().numpy()
@@ -244,8 +216,7 @@ def _fused_oracles(raws: list[tuple[GT, np.ndarray]], x: torch.Tensor, bias: tor
 
 def test_fused_parts_of_both_families(gguf_paths) -> None:
     """q/k/v-like parts in Q4_K, Q8_0 and Q6_K (as Q4_K_M files mix them): each family's
-    kernel runs on its columns, each part's activations quantized as its body takes them (in
-    the 512-bit build at 64 rows, Q6_K per 256, the rest per 32)."""
+    kernel runs on its columns (both quantize the activations per 32)."""
     rng = np.random.default_rng(5)
     k = 512
     raws = [(GT.Q4_K, pack_kquant(rng.standard_normal((24, k)).astype(np.float32), GT.Q4_K)),
@@ -259,10 +230,11 @@ def test_fused_parts_of_both_families(gguf_paths) -> None:
     assert "Q4_K+Q8_0+Q6_K+Q5_K" in repr(lin)
     for m in (1, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        _check(lin(x), x, *_fused_oracles(raws, x, bias))
+        oracle, exact = _fused_oracles(raws, x, bias)
+        _check(lin(x), x, oracle, exact)
         with pytest.MonkeyPatch.context() as mp:  # the pure-torch path
             mp.setattr(cpu_kernels, "supports", lambda *a: False)
-            _check(lin(x), x, *_fused_oracles(raws, x, bias, "torch"))
+            _check(lin(x), x, oracle, exact)
 
 
 def test_bfloat16_parts_of_both_c_families_with_bias() -> None:

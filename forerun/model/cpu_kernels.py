@@ -656,18 +656,6 @@ def bind_gguf_kernels(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = []
     lib.quant_matmul_amx_set.restype = ctypes.c_int
     lib.quant_matmul_amx_set.argtypes = [ctypes.c_int]
-    if hasattr(lib, "quant_act_block"):  # not in older source trees a benchmark may build
-        lib.quant_act_block.restype = _i64
-        lib.quant_act_block.argtypes = [_i64, _i64, _i64]
-
-
-def gguf_act_blocks(qtype: int, m: int, lib: ctypes.CDLL | None = None) -> list[int]:
-    """Values per activation scale of each of the ``m`` rows of a GGUF matmul on the integer
-    bodies, for a part of ggml type ``qtype``: 32, or 256 where the 512-bit build runs a
-    K-quant's tiles expanded (csrc/ktile_gemm.c): how a test's oracle must round them."""
-    lib = lib or kernel_library()
-    assert lib is not None, "call supports() first"
-    return [int(lib.quant_act_block(qtype, m, i)) for i in range(m)]
 
 
 def set_gguf_amx(enabled: bool, lib: ctypes.CDLL | None = None) -> bool:

@@ -44,12 +44,13 @@ static inline void kt_scales(const __m128i c[12], int j, __m128i *sc, __m128i *m
 /* Activation rows (of a call's chunk) from which a group's tiles are expanded. The 1B's
  * linears on 2 cores of a Zen 4, tiles -> expanded, at 32 / 64 / 128 / 512 rows: Q5_K
  * 1.03 / 1.26 / 1.10 / 1.32x, Q6_K 1.15 / 1.25 / - / 1.27x, Q4_K - / 1.00 / 1.05 / 1.11x;
- * at 16 rows Q5_K 0.88x and, before its body took activations per 256 and the passes
- * prefetched the next group, Q6_K 0.89x (1.21x since). Below that the expansion, which reads
- * the tiles from memory, costs what it saves; Q4_K at 32 / 64 rows 0.95 / 0.91x even with
- * the prefetching. */
+ * at 16 rows Q5_K and Q6_K 0.89x (Q6_K 0.95x with the passes prefetching the next group).
+ * Below that the expansion, which reads the tiles from memory, costs what it saves.
+ * (Activations per 256 values for Q6_K, as llama.cpp's Q8_K, ran its expanded body 1.1x
+ * faster but moved SmolLM2's teacher-forced NLL in Q6_K 2.45% off the exact engine, per 32
+ * 0.47%: an outlier channel coarsens its whole super-block.) */
 static inline int64_t ktile_min_rows(int64_t type) {
-    return type == QT_Q6_K ? 16 : type == QT_Q5_K ? 32 : 128;
+    return type == QT_Q5_K || type == QT_Q6_K ? 32 : 128;
 }
 #define KTILE_MAX_ROWS 8 /* rows per ktile_expanded_rows call */
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVXVNNI__) && \
@@ -63,17 +64,6 @@ static inline int64_t ktile_min_rows(int64_t type) { return (void)type, 8; }
 #define KTILE_MAX_ROWS 4
 #endif
 
-/* Values per activation scale of the rows the expanded bodies read for a type: the 512-bit
- * Q6_K body takes one scale per super-block of 256 (llama.cpp's Q8_K), so that its float
- * terms come once per 256 values (ktile_gemm.c says why); the rest per 32. */
-static inline int64_t ktile_act_block(int64_t type) {
-#ifdef KTILE_512
-    return type == QT_Q6_K ? 256 : 32;
-#else
-    return (void)type, 32;
-#endif
-}
-
 #ifdef KTILE_EXPANDED
 /* Bytes of a group's nsb tiles of ggml type `type` (12 Q4_K, 13 Q5_K, 14 Q6_K) expanded. */
 int64_t ktile_expanded_bytes(int64_t type, int64_t nsb);
@@ -81,23 +71,19 @@ int64_t ktile_expanded_bytes(int64_t type, int64_t nsb);
 void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x);
 /* Activation rows one ktile_expanded_rows call takes at most (<= KTILE_MAX_ROWS). */
 int64_t ktile_rows_per_call(int64_t type);
-#ifdef KTILE_512
 /* out[i][r] = row r of the group . activation row i, for m <= ktile_rows_per_call(type) rows
- * of qa (k per row) as ktile_act_block(type) says: Q4_K / Q5_K int8 per block of 32 with
- * their block scales sa and scaled sums ssa (per 32), as quant_matmul.c's group bodies take
- * them; Q6_K per super-block of 256, the bytes plus 128 (read as uint8), with their scales
- * sa (ssa unused). Meanwhile it prefetches into L2 the pf_lines 64-byte lines from pf (up to
+ * of qa (int8 per block of 32, k per row; for Q6_K in the 512-bit build (KTILE_512) those
+ * bytes plus 128, read as uint8) with their block scales sa and scaled sums ssa (per 32), as
+ * quant_matmul.c's group bodies take them. */
+#ifdef KTILE_512
+/* Meanwhile it prefetches into L2 the pf_lines 64-byte lines from pf (at most
  * ktile_prefetch_lines(type, nsb)): the next group's tiles, so that their expansion need not
  * wait on memory, which the products leave idle. */
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
                          const float *sa, const float *ssa, int64_t k, int64_t m,
                          float out[][16], const uint8_t *pf, int64_t pf_lines);
-/* Lines one ktile_expanded_rows call prefetches at most. */
 int64_t ktile_prefetch_lines(int64_t type, int64_t nsb);
 #else
-/* out[i][r] = row r of the group . activation row i, for m <= ktile_rows_per_call(type) rows
- * of qa (int8 per block of 32, k per row) with their block scales sa and scaled sums ssa
- * (per 32), as quant_matmul.c's group bodies take them. */
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
                          const float *sa, const float *ssa, int64_t k, int64_t m,
                          float out[][16]);

@@ -5,16 +5,10 @@
  * rows then run against the bytes with no unpacking (AVX2: three or four rows at a time,
  * 512-bit: eight). quant_matmul.c's group bodies unpack every line once per pass of rows,
  * which on AVX2 costs about what the byte products cost, and with AVX512-VNNI 3 (Q4_K) to 11
- * (Q5_K) instructions against a line's 16 byte products at 8 rows. The AVX2 bodies compute
- * the tile bodies' function: Q4_K/Q5_K with the same integer sums and float terms in the same
- * order; Q6_K's integer sums include the offset -32, where theirs take it back from the
- * activations' sums in float (equal up to float rounding). The 512-bit Q6_K body takes the
- * activations with one scale per 256 values (ktile_act_block, llama.cpp's Q8_K) instead of
- * per 32, so that its float terms come once per super-block: on a Zen 4 core the per-32
- * float terms and the per-16 scales' integer multiplies made its 8-row body 1.8x slower
- * than its byte products alone. (The same for Q4_K / Q5_K, whose sub-block scales then need
- * an integer multiply per 32 values and the mins a pair product per row and super-block,
- * ran 1.03x faster: not worth the coarser activations.)
+ * (Q5_K) instructions against a line's 16 byte products at 8 rows. The function computed is
+ * theirs: Q4_K/Q5_K with the same integer sums and float terms in the same order; Q6_K's
+ * integer sums include the offset -32, where theirs take it back from the activations' sums
+ * in float (equal up to float rounding).
  *
  * Expanded layouts, per super-block of a group (16 rows x 256 values); a line is 64 bytes,
  * 4 consecutive values of each of the 16 rows (row r at bytes 4r..4r+3), as in the tiles:
@@ -78,9 +72,9 @@ static void expand_kt(int q5, const uint8_t *t, uint8_t *x) {
             }
     /* The scales of all 16 rows at once (kt_scales): scalar, they took about as long as the
      * lines, a third of a 16-row call. */
+    float *dsc = (float *)(x + XL), *dmn = dsc + 8 * 16;
     __m128i c[12];
     for (int j = 0; j < 12; ++j) c[j] = _mm_loadu_si128((const __m128i *)(t + 64 + 16 * j));
-    float *dsc = (float *)(x + XL), *dmn = dsc + 8 * 16;
     for (int h = 0; h < 2; ++h) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * h)));
@@ -235,51 +229,55 @@ static inline __attribute__((always_inline)) void rows_kt_m(
     for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 
-/* Q6_K: all 16 rows against m <= 8 activation rows (q: per 256 values, plus 128, as uint8):
- * per 16 values four VNNI products per row from the stored -128 sum(w), weighted by the
- * scale in one integer multiply; per super-block one float FMA (d d8). |s sum(a w)| <= 128 *
- * 16 * 32 * 127 per 16 values: 16 of them fit int32. */
+/* Q6_K: all 16 rows against m <= 8 activation rows (qa: plus 128, as uint8): per 16
+ * values four VNNI products per row from the stored -128 sum(w), weighted by the scale in one
+ * integer multiply; per block of 32 one float FMA (d s_j). */
 static inline __attribute__((always_inline)) void rows_q6k_m(
-    const uint8_t *x, int64_t nsb, const int8_t *q, const float *d8, int64_t k, const int m,
+    const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, int64_t k, const int m,
     float out[][16], const uint8_t *pf, int64_t pf_lines) {
+    const int64_t nb = k / QK;
     __m512 acc[8];
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *xb = x + b * X6_BYTES;
-        __m512i dot[8];
-        for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
-        for (int c = 0; c < 16; ++c) { /* 16 values: lines 4c..4c+3, one scale */
-            const uint8_t *line = xb + 64 * 4 * c;
-            const __m512i w0 = _mm512_loadu_si512((const void *)line);
-            const __m512i w1 = _mm512_loadu_si512((const void *)(line + 64));
-            const __m512i w2 = _mm512_loadu_si512((const void *)(line + 128));
-            const __m512i w3 = _mm512_loadu_si512((const void *)(line + 192));
-            if (16 * b + c < pf_lines)
-                _mm_prefetch((const char *)(pf + 64 * (16 * b + c)), _MM_HINT_T1);
-            const __m512i sc = _mm512_loadu_si512((const void *)(xb + X6_SCP + 64 * c));
-            const __m512i init = _mm512_loadu_si512((const void *)(xb + X6_INIT + 64 * c));
-            for (int i = 0; i < m; ++i) {
-                const int8_t *a = q + i * k + b * 256 + 16 * c;
-                __m512i p = _mm512_dpbusd_epi32(init, bcast4(a), w0);
-                p = _mm512_dpbusd_epi32(p, bcast4(a + 4), w1);
-                p = _mm512_dpbusd_epi32(p, bcast4(a + 8), w2);
-                p = _mm512_dpbusd_epi32(p, bcast4(a + 12), w3);
-                dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, sc));
-                KEEP_IN_ZMM(dot[i]);
-            }
-        }
         const __m512 d = _mm512_loadu_ps((const float *)(xb + X6_D));
-        for (int i = 0; i < m; ++i)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
-                                     _mm512_mul_ps(d, _mm512_set1_ps(d8[i * nsb + b])), acc[i]);
+        for (int j = 0; j < 8; ++j) {
+            __m512i dot[8];
+            for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
+            for (int hs = 0; hs < 2; ++hs) { /* 16 values: lines 4hs..4hs+3, one scale */
+                const uint8_t *line = xb + 64 * (8 * j + 4 * hs);
+                const __m512i w0 = _mm512_loadu_si512((const void *)line);
+                const __m512i w1 = _mm512_loadu_si512((const void *)(line + 64));
+                const __m512i w2 = _mm512_loadu_si512((const void *)(line + 128));
+                const __m512i w3 = _mm512_loadu_si512((const void *)(line + 192));
+                const int64_t c = 2 * j + hs;
+                if (16 * b + c < pf_lines)
+                    _mm_prefetch((const char *)(pf + 64 * (16 * b + c)), _MM_HINT_T1);
+                const __m512i sc = _mm512_loadu_si512((const void *)(xb + X6_SCP + 64 * c));
+                const __m512i init = _mm512_loadu_si512((const void *)(xb + X6_INIT + 64 * c));
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 16 * c;
+                    __m512i p = _mm512_dpbusd_epi32(init, bcast4(a), w0);
+                    p = _mm512_dpbusd_epi32(p, bcast4(a + 4), w1);
+                    p = _mm512_dpbusd_epi32(p, bcast4(a + 8), w2);
+                    p = _mm512_dpbusd_epi32(p, bcast4(a + 12), w3);
+                    dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, sc));
+                    KEEP_IN_ZMM(dot[i]);
+                }
+            }
+            for (int i = 0; i < m; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                         _mm512_mul_ps(d, _mm512_set1_ps(sa[i * nb + b * 8 + j])),
+                                         acc[i]);
+        }
     }
     for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 
 int64_t ktile_rows_per_call(int64_t type) { (void)type; return 8; }
 
-/* One line per 16 values: Q6_K's 4 lines of 16 rows' bytes per scale, Q4_K/Q5_K's 8 per
- * sub-block of 32. */
+/* One line per 16 values: a Q6_K pass's loop takes 16 values at a time, a Q4_K/Q5_K pass's
+ * 32 (two lines a step). */
 int64_t ktile_prefetch_lines(int64_t type, int64_t nsb) { return (void)type, 16 * nsb; }
 
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,

@@ -135,31 +135,6 @@ static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *q, float 
 #endif
 }
 
-#ifdef KTILE_512
-/* Row of k floats -> int8 per super-block of 256 with its scale d (max|x| / 127, rounded as
- * quantize_row rounds), stored plus 128 (as uint8): the activations of ktile_gemm.c's
- * 512-bit Q6_K body (ktile_act_block). */
-static void quantize_row_256u(const void *x, int x_bf16, int64_t k, int8_t *qu, float *d) {
-    const __m128i flip = _mm_set1_epi8((char)0x80);
-    for (int64_t b = 0; b < k / 256; ++b) {
-        __m512 v[16];
-        __m512 mx = _mm512_setzero_ps();
-        for (int j = 0; j < 16; ++j) {
-            v[j] = x_bf16 ? bf16x16_load((const uint16_t *)x + b * 256 + 16 * j)
-                          : _mm512_loadu_ps((const float *)x + b * 256 + 16 * j);
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(v[j]));
-        }
-        const float db = _mm512_reduce_max_ps(mx) / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
-        for (int j = 0; j < 16; ++j) {
-            const __m512i qj = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], _mm512_set1_ps(inv)));
-            _mm_storeu_si128((__m128i *)(qu + b * 256 + 16 * j),
-                             _mm_xor_si128(_mm512_cvtepi32_epi8(qj), flip));
-        }
-        d[b] = db;
-    }
-}
-#endif
-
 /* How the AVX2 one-row Q6_K body prefetches: step s of a tile's loop prefetches lines
  * s * n .. s * n + n - 1 of the tile PF_AHEAD on (those within its `bytes`), a few lines per
  * step rather than the whole next tile at the start of each: from DRAM, 2 cores of a Zen 3,
@@ -1083,25 +1058,6 @@ static inline void store_row(const float *v, int64_t rows, void *y, int y_bf16, 
     }
 }
 
-/* Whether a call's chunk of mc rows runs a part of this type against its tiles expanded to
- * bytes (ktile_gemm.c). */
-static inline int expands(int64_t type, int64_t mc) {
-#ifdef KTILE_EXPANDED
-    return (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K) && mc >= ktile_min_rows(type);
-#else
-    (void)type, (void)mc;
-    return 0;
-#endif
-}
-
-/* Values per activation scale of row i of an m-row call, for a part of ggml type `type` on
- * the integer bodies (the AMX path, quant_amx.c, does not quantize them): ktile_act_block
- * where its tiles are expanded, else 32. What a test's oracle needs to round as they do. */
-int64_t quant_act_block(int64_t type, int64_t m, int64_t i) {
-    const int64_t i0 = i - i % MCHUNK, mc = m - i0 < MCHUNK ? m - i0 : MCHUNK;
-    return expands(type, mc) ? ktile_act_block(type) : QK;
-}
-
 /* See qweight.h; gguf_matmul.c is the entry point that calls this. */
 int quant_matmul_rows(const float *xf, const qweight_t *w, float *y, int64_t ldy, int64_t m,
                       int64_t k) {
@@ -1126,50 +1082,32 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
         const int rc = quant_matmul_amx(x, w, y, y_bf16, bias, ldy, m, k);
         if (rc != -2) return rc;
     }
-    const int64_t nb = k / QK, nsb = k / 256;
-    /* The activation forms the call's parts need, per chunk of rows (MCHUNK, then the
-     * rest): per 32 for the tile bodies (with Q6_K's sums per 16 there) and the expanded
-     * Q4_K / Q5_K bodies, per 256 plus 128 for the 512-bit expanded Q6_K body. */
-    int need32 = 0, need256 = 0, with16 = 0;
-    const int64_t chunk_rows[2] = {m >= MCHUNK ? MCHUNK : 0, m % MCHUNK};
-    for (int64_t p = 0; p < w->nparts; ++p)
-        for (int c = 0; c < 2; ++c) {
-            const int64_t type = w->type[p];
-            if (!chunk_rows[c]) continue;
-            if (!expands(type, chunk_rows[c])) {
-                need32 = 1;
-                with16 |= type == QT_Q6_K;
-            } else if (ktile_act_block(type) == 256) {
-                need256 = 1;
-            } else {
-                need32 = 1;
-            }
-        }
-    /* One allocation: [int8 rows per 32,] [per 256,] then the floats: [per 32 scales and
-     * scaled sums (and per 16),] [per 256 scales]. */
+    const int64_t nb = k / QK;
+    int with16 = 0; /* Q6_K's sums per 16, only where a part needs them */
+    for (int64_t p = 0; p < w->nparts; ++p) with16 |= w->type[p] == QT_Q6_K;
+    /* One allocation: quantized rows, [the same plus 128 for the expanded Q6_K body,] then
+     * scales and scaled sums (per 32, [per 16]). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    const size_t q32 = need32 ? qbytes : 0, q256 = need256 ? qbytes : 0;
-    const size_t f32s = need32 ? (size_t)((with16 ? 4 : 2) * m * nb) : 0,
-                 f256 = need256 ? (size_t)(m * nsb) : 0;
-    char *scratch = thread_scratch(q32 + q256 + sizeof(float) * (f32s + f256));
+    size_t ubytes = 0;
+#ifdef KTILE_512 /* its expanded Q6_K body multiplies the activations plus 128 */
+    if (with16 && m >= ktile_min_rows(QT_Q6_K)) ubytes = qbytes;
+#endif
+    char *scratch = thread_scratch(qbytes + ubytes +
+                                   sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
     if (!scratch) return -1;
-    int8_t *qa = (int8_t *)scratch, *qu = qa + q32;
-    float *sa = (float *)(scratch + q32 + q256), *ssa = sa + m * nb;
-    float *ss16 = with16 ? ssa + m * nb : NULL, *du = sa + f32s;
-    (void)qu, (void)du;
-    int failed = 0; /* a worker without memory for a group's expanded tiles */
+    int8_t *qa = (int8_t *)scratch, *qu = ubytes ? (int8_t *)scratch + qbytes : NULL;
+    float *sa = (float *)(scratch + qbytes + ubytes), *ssa = sa + m * nb;
+    float *ss16 = with16 ? ssa + m * nb : NULL;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; ++i) {
-            const void *xi = x_bf16 ? (const void *)((const uint16_t *)x + i * k)
-                                    : (const void *)((const float *)x + i * k);
-            if (need32)
-                quantize_row(xi, x_bf16, k, qa + i * k, sa + i * nb, ssa + i * nb,
-                             with16 ? ss16 + 2 * i * nb : NULL);
-#ifdef KTILE_512
-            if (need256) quantize_row_256u(xi, x_bf16, k, qu + i * k, du + i * nsb);
-#endif
+            quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + i * k)
+                                : (const void *)((const float *)x + i * k),
+                         x_bf16, k, qa + i * k, sa + i * nb, ssa + i * nb,
+                         with16 ? ss16 + 2 * i * nb : NULL);
+            if (qu)
+                for (int64_t j = 0; j < k; ++j) qu[i * k + j] = (int8_t)(qa[i * k + j] ^ 0x80);
         }
         for (int64_t i0 = 0; i0 < m; i0 += MCHUNK) {
             const int64_t mc = i0 + MCHUNK <= m ? MCHUNK : m - i0;
@@ -1187,43 +1125,42 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
                 const int64_t col = first_row[p] + r0;
 #ifdef KTILE_EXPANDED
-                if (expands(type, mc)) {
+                if (mc >= ktile_min_rows(type) &&
+                    (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K)) {
                     uint8_t *xt = expand_scratch((size_t)ktile_expanded_bytes(type, nt));
-                    if (!xt) { /* the rows' activations are in the expanded bodies' form only */
-#pragma omp atomic write
-                        failed = 1;
+                    if (xt) {
+                        ktile_expand(type, tiles, nt, xt);
+                        const int64_t step = ktile_rows_per_call(type);
+#ifdef KTILE_512
+                        /* The passes share out the prefetching of the part's next group. */
+                        const int64_t glines = nt * GR * block_bytes(type) / 64;
+                        const int64_t per_pass = (glines + (mc + step - 1) / step - 1) /
+                                                 ((mc + step - 1) / step);
+                        const int64_t cap = ktile_prefetch_lines(type, nt);
+                        const int last = (gl + 1) * GR >= w->rows[p];
+#endif
+                        for (int64_t i = i0; i < i0 + mc; i += step) {
+                            const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
+                            float out[KTILE_MAX_ROWS][GR];
+#ifdef KTILE_512
+                            const int8_t *rows_q = (type == QT_Q6_K ? qu : qa) + i * k;
+                            const int64_t done = (i - i0) / step * per_pass;
+                            const int64_t todo = last || done >= glines ? 0
+                                               : glines - done < per_pass ? glines - done
+                                                                          : per_pass;
+                            ktile_expanded_rows(type, xt, nt, rows_q, sa + i * nb, ssa + i * nb,
+                                                k, mi, out, tiles + 64 * (glines + done),
+                                                todo < cap ? todo : cap);
+#else
+                            ktile_expanded_rows(type, xt, nt, qa + i * k, sa + i * nb,
+                                                ssa + i * nb, k, mi, out);
+#endif
+                            for (int64_t t = 0; t < mi; ++t)
+                                store_row(out[t], rows, y, y_bf16, (i + t) * ldy + col, bias,
+                                          col);
+                        }
                         continue;
                     }
-                    ktile_expand(type, tiles, nt, xt);
-                    const int64_t step = ktile_rows_per_call(type);
-#ifdef KTILE_512
-                    /* The passes share out the prefetching of the part's next group. */
-                    const int64_t glines = nt * GR * block_bytes(type) / 64;
-                    const int64_t passes = (mc + step - 1) / step;
-                    const int64_t per_pass = (glines + passes - 1) / passes;
-                    const int64_t cap = ktile_prefetch_lines(type, nt);
-                    const int last = (gl + 1) * GR >= w->rows[p];
-                    const uint8_t *next = tiles + 64 * glines;
-#endif
-                    for (int64_t i = i0; i < i0 + mc; i += step) {
-                        const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
-                        float out[KTILE_MAX_ROWS][GR];
-#ifdef KTILE_512
-                        const int64_t done = (i - i0) / step * per_pass;
-                        const int64_t todo = last || done >= glines ? 0
-                                           : glines - done < per_pass ? glines - done : per_pass;
-                        const int q6 = ktile_act_block(type) == 256;
-                        ktile_expanded_rows(type, xt, nt, (q6 ? qu : qa) + i * k,
-                                            q6 ? du + i * nsb : sa + i * nb, ssa + i * nb, k, mi,
-                                            out, next + 64 * done, todo < cap ? todo : cap);
-#else
-                        ktile_expanded_rows(type, xt, nt, qa + i * k, sa + i * nb, ssa + i * nb,
-                                            k, mi, out);
-#endif
-                        for (int64_t t = 0; t < mi; ++t)
-                            store_row(out[t], rows, y, y_bf16, (i + t) * ldy + col, bias, col);
-                    }
-                    continue;
                 }
 #endif
                 /* All tiled types take MAXM_K rows per pass in the 512-bit build (= MAXM
@@ -1247,7 +1184,7 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
             }
         }
     }
-    return failed ? -1 : 0;
+    return 0;
 }
 
 /* ---- quantization="int8": the elementwise ends of an int8 x int8 -> int32 GEMM ------------
