@@ -77,12 +77,12 @@ int64_t ktile_rows_per_call(int64_t type);
  * quant_matmul.c's group bodies take them. */
 #ifdef KTILE_512
 /* Meanwhile it prefetches into L2 the pf_lines 64-byte lines from pf (at most
- * ktile_prefetch_lines(type, nsb)): the next group's tiles, so that their expansion need not
- * wait on memory, which the products leave idle. */
+ * ktile_prefetch_lines(nsb)): the next group's tiles, so that their expansion need not wait
+ * on memory, which the products leave idle. */
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
                          const float *sa, const float *ssa, int64_t k, int64_t m,
                          float out[][16], const uint8_t *pf, int64_t pf_lines);
-int64_t ktile_prefetch_lines(int64_t type, int64_t nsb);
+int64_t ktile_prefetch_lines(int64_t nsb);
 #else
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
                          const float *sa, const float *ssa, int64_t k, int64_t m,

@@ -278,7 +278,7 @@ int64_t ktile_rows_per_call(int64_t type) { (void)type; return 8; }
 
 /* One line per 16 values: a Q6_K pass's loop takes 16 values at a time, a Q4_K/Q5_K pass's
  * 32 (two lines a step). */
-int64_t ktile_prefetch_lines(int64_t type, int64_t nsb) { return (void)type, 16 * nsb; }
+int64_t ktile_prefetch_lines(int64_t nsb) { return 16 * nsb; }
 
 void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8_t *qa,
                          const float *sa, const float *ssa, int64_t k, int64_t m,

@@ -1134,9 +1134,9 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
 #ifdef KTILE_512
                         /* The passes share out the prefetching of the part's next group. */
                         const int64_t glines = nt * GR * block_bytes(type) / 64;
-                        const int64_t per_pass = (glines + (mc + step - 1) / step - 1) /
-                                                 ((mc + step - 1) / step);
-                        const int64_t cap = ktile_prefetch_lines(type, nt);
+                        const int64_t passes = (mc + step - 1) / step;
+                        const int64_t per_pass = (glines + passes - 1) / passes;
+                        const int64_t cap = ktile_prefetch_lines(nt);
                         const int last = (gl + 1) * GR >= w->rows[p];
 #endif
                         for (int64_t i = i0; i < i0 + mc; i += step) {
