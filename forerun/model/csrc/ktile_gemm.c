@@ -241,6 +241,8 @@ static inline __attribute__((always_inline)) void rows_q6k_m(
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *xb = x + b * X6_BYTES;
         const __m512 d = _mm512_loadu_ps((const float *)(xb + X6_D));
+        __m512 accb[8];
+        for (int i = 0; i < m; ++i) accb[i] = _mm512_setzero_ps();
         for (int j = 0; j < 8; ++j) {
             __m512i dot[8];
             for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
@@ -266,10 +268,10 @@ static inline __attribute__((always_inline)) void rows_q6k_m(
                 }
             }
             for (int i = 0; i < m; ++i)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
-                                         _mm512_mul_ps(d, _mm512_set1_ps(sa[i * nb + b * 8 + j])),
-                                         acc[i]);
+                accb[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                          _mm512_set1_ps(sa[i * nb + b * 8 + j]), accb[i]);
         }
+        for (int i = 0; i < m; ++i) acc[i] = _mm512_fmadd_ps(accb[i], d, acc[i]);
     }
     for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
