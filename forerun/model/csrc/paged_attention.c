@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "bf16.h"
 
@@ -362,6 +363,11 @@ static int run(const void *q, int64_t q_stride, const void *k_cache, const void 
     for (int64_t b = 0; b < num_tokens; ++b)
         if (token_len[b] > max_len) max_len = token_len[b];
     int failed = 0;
+    /* Chunks of 4 (token, kv head) items keep a long prompt's scheduling cheap; a decode
+     * step of a model with 4 kv heads has 4 items in all, which one chunk of 4 gave to one
+     * thread while the others waited. */
+    const int64_t items = num_tokens * num_kv_heads;
+    const int chunk = items >= 16 * omp_get_max_threads() ? 4 : 1;
 #pragma omp parallel
     {
         float *qf = malloc(sizeof(float) * G * D), *acc = malloc(sizeof(float) * G * D);
@@ -372,8 +378,8 @@ static int run(const void *q, int64_t q_stride, const void *k_cache, const void 
 #pragma omp atomic write
             failed = 1;
         } else {
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t w = 0; w < num_tokens * num_kv_heads; ++w) {
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t w = 0; w < items; ++w) {
                 const int64_t b = w / num_kv_heads, h = w % num_kv_heads, L = token_len[b];
                 const int64_t *table = block_tables + token_seq[b] * table_stride;
                 if (kv == KV_INT8) { ATTEND_QUANT(KV_INT8); }
