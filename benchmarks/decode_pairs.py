@@ -6,7 +6,10 @@ scale.py run and 22 GB/s twenty minutes later), so a ratio of two numbers taken 
 apart is mostly the drift. Here forerun stays loaded (in this process, both cores) and each
 pair is one forerun measurement and one ``llama-bench -t 2 -r 1`` run right after it (in
 alternating order, ABBA, so that a steady drift cancels); the ratio is taken per pair, and
-the table gives the median pair ratio with its range.
+the table gives the median pair ratio with its range, and the range of the streaming read
+(``torch.sum`` of 512 MiB in huge pages, the lower of a read just before and just after
+forerun's decode measurement): on a VM whose memory switches between a fast and a slow
+phase, a pair's decode ratio follows the phase it was taken in.
 
 Per pair, with the prompt and decode lengths of scale.py:
 - **prompt**: forerun ``512 / wall`` of one 512-token prompt with one output token;
@@ -34,12 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from common import markdown_table, random_prompts, write_json
 from machine_load import check_quiet
 
 VOCAB = 49152
 COLUMNS = ["file", "pairs", "forerun prompt tok/s", "llama.cpp prompt tok/s", "prompt ratio",
-           "forerun ms/token", "llama.cpp ms/token", "decode ratio"]
+           "forerun ms/token", "llama.cpp ms/token", "decode ratio", "read GB/s"]
+READ_BYTES = 512 << 20
 
 
 def llama_bench_once(llama_dir: Path, gguf: Path, prompt_len: int, decode_len: int,
@@ -68,6 +73,21 @@ class ForerunTimer:
                        max_model_len=max(prompt_len, 2 * decode_len) + 64, seed=seed)
         self.wall(prompt_len, 1)  # warm-up: kernels, allocator, the prompt shape
         self.wall(decode_len, 8)
+        # The memory's rate beside each decode measurement: on a shared VM it can switch
+        # between phases (e.g. 60 and 35 GB/s) within a second, which moves decode with it.
+        from forerun.model import huge_pages
+
+        self.read_buf = huge_pages.empty_bytes(READ_BYTES).view(torch.float32)
+        self.read_buf.fill_(1.0)
+
+    def read_gb_s(self) -> float:
+        """Best of three streaming reads (``torch.sum``, huge pages) of READ_BYTES, GB/s."""
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self.read_buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        return READ_BYTES / best / 1e9
 
     def wall(self, in_len: int, out_len: int) -> float:
         sp = self.sampling(temperature=0.0, max_tokens=out_len, ignore_eos=True)
@@ -81,10 +101,12 @@ class ForerunTimer:
 
     def measure(self) -> dict[str, float]:
         prompt = self.prompt_len / self.wall(self.prompt_len, 1)
+        read_before = self.read_gb_s()
         one = self.wall(self.decode_len, 1)
         full = self.wall(self.decode_len, self.decode_len)
         return {"prompt_tok_s": prompt,
-                "decode_ms_per_token": 1e3 * (full - one) / (self.decode_len - 1)}
+                "decode_ms_per_token": 1e3 * (full - one) / (self.decode_len - 1),
+                "read_gb_s": min(read_before, self.read_gb_s())}
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -109,7 +131,8 @@ def run_file(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
                     "decode_ratio": llama_ms / got["forerun"]["decode_ms_per_token"]}
             print(f"{gguf.name} pair {p}: prompt {got['forerun']['prompt_tok_s']:.1f} / "
                   f"{got['llama.cpp']['prompt_tok_s']:.1f} tok/s, decode "
-                  f"{got['forerun']['decode_ms_per_token']:.1f} / {llama_ms:.1f} ms/token",
+                  f"{got['forerun']['decode_ms_per_token']:.1f} / {llama_ms:.1f} ms/token, "
+                  f"read {got['forerun']['read_gb_s']:.1f} GB/s",
                   file=sys.stderr, flush=True)
             pairs.append(pair)
     finally:
@@ -136,7 +159,10 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
                 f"{med([p['forerun']['decode_ms_per_token'] for p in pairs]):.1f}",
             "llama.cpp ms/token":
                 f"{med([1e3 / p['llama.cpp']['decode_tok_s'] for p in pairs]):.1f}",
-            "decode ratio": span("decode_ratio")}
+            "decode ratio": span("decode_ratio"),
+            "read GB/s": "{:.0f}-{:.0f}".format(
+                min(p["forerun"]["read_gb_s"] for p in pairs),
+                max(p["forerun"]["read_gb_s"] for p in pairs))}
 
 
 def main(argv: list[str] | None = None) -> None:
