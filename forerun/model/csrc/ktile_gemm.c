@@ -231,7 +231,8 @@ static inline __attribute__((always_inline)) void rows_kt_m(
 
 /* Q6_K: all 16 rows against m <= 8 activation rows (qa: plus 128, as uint8): per 16
  * values four VNNI products per row from the stored -128 sum(w), weighted by the scale in one
- * integer multiply; per block of 32 one float FMA (d s_j). */
+ * integer multiply; per block of 32 one float FMA by the activations' scale s_j, and d once
+ * per super-block (a multiply by d per block took the FMA units from the byte products). */
 static inline __attribute__((always_inline)) void rows_q6k_m(
     const uint8_t *x, int64_t nsb, const int8_t *qa, const float *sa, int64_t k, const int m,
     float out[][16], const uint8_t *pf, int64_t pf_lines) {
