@@ -149,6 +149,29 @@ def test_prompt_sized_matmuls_through_the_expanded_tiles(gguf_paths, qtype: GT) 
         _check(_run(lin, xb, path, lib), xb, _act_oracle(xd) @ wd.T, xd @ wd.T)
 
 
+@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
+def test_one_row_agrees_with_each_row_of_a_two_row_call(gguf_variants, qtype: GT) -> None:
+    """A decode step's one activation row takes its own body where there is one (the
+    512-bit and AVX2 Q6_K bodies that read each tile line once for four blocks) and runs
+    the activation prefetch; two rows take the many-row bodies. Both make the same integer
+    sums from the same quantized activations, so a row's outputs agree to float rounding
+    (not bit for bit: -ffast-math lets each compiled instance order its float adds), over
+    rows that end mid-tile and a k of nine super-blocks."""
+    if not gguf_variants:
+        pytest.skip("no C compiler here: only the torch fallback runs")
+    n, k = 37, 2304
+    raw = random_kblocks(qtype, n, k, np.random.default_rng(300 + int(qtype)))
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(12))
+    for name, lib in gguf_variants.items():
+        both = _run(lin, x, "c", lib)
+        scale = float(both.abs().max())
+        for i in range(2):
+            one = _run(lin, x[i:i + 1], "c", lib)
+            torch.testing.assert_close(one[0], both[i], rtol=1e-5, atol=1e-6 * scale,
+                                       msg=lambda m, name=name, i=i: f"{name}, row {i}: {m}")
+
+
 def test_every_available_body_was_checked(gguf_variants) -> None:
     if cpu_kernels.kernel_library() is None:
         pytest.skip("no C compiler here: only the torch fallback runs")
