@@ -9,7 +9,10 @@ alternating order, ABBA, so that a steady drift cancels); the ratio is taken per
 the table gives the median pair ratio with its range, and the range of the streaming read
 (``torch.sum`` of 512 MiB in huge pages, the lower of a read just before and just after
 forerun's decode measurement): on a VM whose memory switches between a fast and a slow
-phase, a pair's decode ratio follows the phase it was taken in.
+phase, a pair's decode ratio follows the phase it was taken in. The bytes a decode step
+reads (scale.py's ``gguf_step_bytes``) over each engine's decode time give the rate each
+decode read at, which says the phase of the decode itself (the two reads around it can
+miss a switch).
 
 Per pair, with the prompt and decode lengths of scale.py:
 - **prompt**: forerun ``512 / wall`` of one 512-token prompt with one output token;
@@ -40,10 +43,12 @@ from typing import Any
 import torch
 from common import markdown_table, random_prompts, write_json
 from machine_load import check_quiet
+from scale import gguf_step_bytes
 
 VOCAB = 49152
 COLUMNS = ["file", "pairs", "forerun prompt tok/s", "llama.cpp prompt tok/s", "prompt ratio",
-           "forerun ms/token", "llama.cpp ms/token", "decode ratio", "read GB/s"]
+           "forerun ms/token", "llama.cpp ms/token", "decode ratio", "read GB/s",
+           "decode GB/s forerun / llama.cpp"]
 READ_BYTES = 512 << 20
 
 
@@ -137,11 +142,16 @@ def run_file(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
             pairs.append(pair)
     finally:
         timer.close()
-    return {"file": str(gguf), "pairs": pairs}
+    return {"file": str(gguf), "step_bytes": gguf_step_bytes(gguf), "pairs": pairs}
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     pairs = result["pairs"]
+
+    def rate_span(tok_s: list[float]) -> str:
+        """The decode's read rate (step bytes x tokens/s, GB/s) over the pairs, low-high."""
+        rates = [result["step_bytes"] * t / 1e9 for t in tok_s]
+        return f"{min(rates):.0f}-{max(rates):.0f}"
 
     def med(xs: list[float]) -> float:
         return statistics.median(xs)
@@ -162,7 +172,10 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
             "decode ratio": span("decode_ratio"),
             "read GB/s": "{:.0f}-{:.0f}".format(
                 min(p["forerun"]["read_gb_s"] for p in pairs),
-                max(p["forerun"]["read_gb_s"] for p in pairs))}
+                max(p["forerun"]["read_gb_s"] for p in pairs)),
+            "decode GB/s forerun / llama.cpp": "{} / {}".format(
+                rate_span([1e3 / p["forerun"]["decode_ms_per_token"] for p in pairs]),
+                rate_span([p["llama.cpp"]["decode_tok_s"] for p in pairs]))}
 
 
 def main(argv: list[str] | None = None) -> None:
