@@ -152,8 +152,8 @@ def test_prompt_sized_matmuls_through_the_expanded_tiles(gguf_paths, qtype: GT) 
 @pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
 def test_one_row_agrees_with_each_row_of_a_two_row_call(gguf_variants, qtype: GT) -> None:
     """A decode step's one activation row takes its own body where there is one (the
-    512-bit and AVX2 Q6_K bodies that read each tile line once for four blocks) and runs
-    the activation prefetch; two rows take the many-row bodies. Both make the same integer
+    512-bit and AVX2 Q6_K bodies that read each tile line once for four blocks); two rows
+    take the many-row bodies. Both make the same integer
     sums from the same quantized activations, so a row's outputs agree to float rounding
     (not bit for bit: -ffast-math lets each compiled instance order its float adds), over
     rows that end mid-tile and a k of nine super-blocks."""
