@@ -19,6 +19,10 @@ Per pair, with the prompt and decode lengths of scale.py:
   llama.cpp ``pp512``.
 - **decode**: forerun ``(wall(128 in, 128 out) - wall(128 in, 1 out)) / 127``; llama.cpp
   ``tg128`` (from an empty context, so its attention reads less cache than forerun's).
+- with ``--depth N``, decode only, after N tokens of context: forerun the time from the first
+  to the last of 128 output tokens of one request with an N-token prompt (its
+  ``RequestOutput.metrics``) over 127; llama.cpp ``tg128 @ dN`` (``llama-bench -p 0 -d N``).
+  At a long context the attention's reads of the KV cache join the weights'.
 
     python benchmarks/decode_pairs.py --llama-cpp-dir LLAMA_CPP_TREE \\
         /tmp/scale/1b/1b-Q4_0.gguf /tmp/scale/1b/1b-Q4_K_M.gguf --pairs 6
@@ -53,11 +57,12 @@ READ_BYTES = 512 << 20
 
 
 def llama_bench_once(llama_dir: Path, gguf: Path, prompt_len: int, decode_len: int,
-                     threads: int) -> dict[str, float]:
-    """One ``llama-bench -r 1`` run: ``pp{prompt_len}`` and ``tg{decode_len}`` tok/s."""
+                     threads: int, depth: int = 0) -> dict[str, float]:
+    """One ``llama-bench -r 1`` run: ``pp{prompt_len}`` and ``tg{decode_len}`` tok/s; with a
+    depth, ``tg{decode_len} @ d{depth}`` alone."""
     cmd = [str(llama_dir / "build" / "bin" / "llama-bench"), "-m", str(gguf),
-           "-t", str(threads), "-p", str(prompt_len), "-n", str(decode_len), "-r", "1",
-           "-o", "json"]
+           "-t", str(threads), "-p", str(0 if depth else prompt_len), "-n", str(decode_len),
+           "-r", "1", "-o", "json"] + (["-d", str(depth)] if depth else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out: dict[str, float] = {}
     for e in json.loads(proc.stdout):
@@ -68,14 +73,16 @@ def llama_bench_once(llama_dir: Path, gguf: Path, prompt_len: int, decode_len: i
 class ForerunTimer:
     """One loaded forerun engine and the two measurements a pair takes from it."""
 
-    def __init__(self, gguf: Path, prompt_len: int, decode_len: int, seed: int) -> None:
+    def __init__(self, gguf: Path, prompt_len: int, decode_len: int, seed: int,
+                 depth: int = 0) -> None:
         from forerun import LLM, SamplingParams
 
         self.sampling = SamplingParams
-        self.prompt_len, self.decode_len = prompt_len, decode_len
+        self.prompt_len, self.decode_len, self.depth = prompt_len, decode_len, depth
         self.rng = random.Random(seed)
         self.llm = LLM(str(gguf), quantization="gguf", max_num_seqs=4,
-                       max_model_len=max(prompt_len, 2 * decode_len) + 64, seed=seed)
+                       max_model_len=max(prompt_len, 2 * decode_len, depth + decode_len) + 64,
+                       seed=seed)
         self.wall(prompt_len, 1)  # warm-up: kernels, allocator, the prompt shape
         self.wall(decode_len, 8)
         # The memory's rate beside each decode measurement: on a shared VM it can switch
@@ -95,6 +102,10 @@ class ForerunTimer:
         return READ_BYTES / best / 1e9
 
     def wall(self, in_len: int, out_len: int) -> float:
+        return self.generate(in_len, out_len)[0]
+
+    def generate(self, in_len: int, out_len: int) -> tuple[float, Any]:
+        """The wall time of one request, and its RequestOutput."""
         sp = self.sampling(temperature=0.0, max_tokens=out_len, ignore_eos=True)
         prompt = random_prompts(self.rng, 1, in_len, VOCAB)
         t0 = time.perf_counter()
@@ -102,9 +113,11 @@ class ForerunTimer:
         elapsed = time.perf_counter() - t0
         if len(outs[0].outputs[0].token_ids) != out_len:
             raise RuntimeError("the engine stopped early under ignore_eos")
-        return elapsed
+        return elapsed, outs[0]
 
     def measure(self) -> dict[str, float]:
+        if self.depth:
+            return self.measure_at_depth()
         prompt = self.prompt_len / self.wall(self.prompt_len, 1)
         read_before = self.read_gb_s()
         one = self.wall(self.decode_len, 1)
@@ -113,12 +126,21 @@ class ForerunTimer:
                 "decode_ms_per_token": 1e3 * (full - one) / (self.decode_len - 1),
                 "read_gb_s": min(read_before, self.read_gb_s())}
 
+    def measure_at_depth(self) -> dict[str, float]:
+        """Decode after ``depth`` tokens of context: first to last output token over the
+        tokens between (a prefill's time, seconds at a long context, is not in it)."""
+        read_before = self.read_gb_s()
+        _, out = self.generate(self.depth, self.decode_len)
+        m = out.metrics
+        return {"decode_ms_per_token": 1e3 * (m.last_token_time - m.first_token_time)
+                / (self.decode_len - 1), "read_gb_s": min(read_before, self.read_gb_s())}
+
     def close(self) -> None:
         self.llm.shutdown()
 
 
 def run_file(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
-    timer = ForerunTimer(gguf, args.prompt_len, args.decode_len, args.seed)
+    timer = ForerunTimer(gguf, args.prompt_len, args.decode_len, args.seed, args.depth)
     pairs: list[dict[str, Any]] = []
     try:
         for p in range(args.pairs):
@@ -127,16 +149,21 @@ def run_file(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
             got: dict[str, dict[str, float]] = {}
             for engine in order:
                 got[engine] = (timer.measure() if engine == "forerun" else llama_bench_once(
-                    args.llama_cpp_dir, gguf, args.prompt_len, args.decode_len, args.threads))
+                    args.llama_cpp_dir, gguf, args.prompt_len, args.decode_len, args.threads,
+                    args.depth))
             llama_ms = 1e3 / got["llama.cpp"]["decode_tok_s"]
             pair = {"order": order, "load": load, "forerun": got["forerun"],
                     "llama.cpp": got["llama.cpp"],
-                    "prompt_ratio": got["forerun"]["prompt_tok_s"]
-                    / got["llama.cpp"]["prompt_tok_s"],
                     "decode_ratio": llama_ms / got["forerun"]["decode_ms_per_token"]}
-            print(f"{gguf.name} pair {p}: prompt {got['forerun']['prompt_tok_s']:.1f} / "
-                  f"{got['llama.cpp']['prompt_tok_s']:.1f} tok/s, decode "
-                  f"{got['forerun']['decode_ms_per_token']:.1f} / {llama_ms:.1f} ms/token, "
+            prompt = ""
+            if not args.depth:
+                pair["prompt_ratio"] = (got["forerun"]["prompt_tok_s"]
+                                        / got["llama.cpp"]["prompt_tok_s"])
+                prompt = (f"prompt {got['forerun']['prompt_tok_s']:.1f} / "
+                          f"{got['llama.cpp']['prompt_tok_s']:.1f} tok/s, ")
+            print(f"{gguf.name} pair {p}: {prompt}decode "
+                  f"{got['forerun']['decode_ms_per_token']:.1f} / {llama_ms:.1f} ms/token"
+                  f"{f' at depth {args.depth}' if args.depth else ''}, "
                   f"read {got['forerun']['read_gb_s']:.1f} GB/s",
                   file=sys.stderr, flush=True)
             pairs.append(pair)
@@ -160,11 +187,15 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         xs = [p[key] for p in pairs]
         return f"{med(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
+    def prompt_med(engine: str) -> str:
+        if "prompt_tok_s" not in pairs[0][engine]:
+            return "-"  # --depth: decode only
+        return f"{med([p[engine]['prompt_tok_s'] for p in pairs]):.1f}"
+
     return {"file": Path(result["file"]).name, "pairs": len(pairs),
-            "forerun prompt tok/s": f"{med([p['forerun']['prompt_tok_s'] for p in pairs]):.1f}",
-            "llama.cpp prompt tok/s":
-                f"{med([p['llama.cpp']['prompt_tok_s'] for p in pairs]):.1f}",
-            "prompt ratio": span("prompt_ratio"),
+            "forerun prompt tok/s": prompt_med("forerun"),
+            "llama.cpp prompt tok/s": prompt_med("llama.cpp"),
+            "prompt ratio": span("prompt_ratio") if "prompt_ratio" in pairs[0] else "-",
             "forerun ms/token":
                 f"{med([p['forerun']['decode_ms_per_token'] for p in pairs]):.1f}",
             "llama.cpp ms/token":
@@ -186,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-len", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=0,
+                    help="decode only, after this many tokens of context (llama-bench -d)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON results (default results/decode_pairs.json)")

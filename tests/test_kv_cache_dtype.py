@@ -94,8 +94,10 @@ def _run(name: str, use_c: bool, d: int, bs: int, q_dtype: torch.dtype,
 
 
 @pytest.mark.parametrize("name", DTYPES)
-# The specialised and the generic bodies, and a sliding window (of 11: it starts mid-block).
-@pytest.mark.parametrize(("d", "bs", "window"), [(64, 16, None), (32, 8, None), (64, 16, 11)])
+# The specialised and the generic bodies, head_dim 128 (the tiled value walk at a runtime
+# head_dim), and a sliding window (of 11: it starts mid-block).
+@pytest.mark.parametrize(("d", "bs", "window"),
+                         [(64, 16, None), (32, 8, None), (128, 16, None), (64, 16, 11)])
 def test_attention_matches_float64_on_the_dequantized_cache(name: str, d: int, bs: int,
                                                            window: int | None,
                                                            monkeypatch: pytest.MonkeyPatch

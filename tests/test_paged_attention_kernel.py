@@ -115,6 +115,26 @@ CASES = [
 ]
 
 
+# Decodes over contexts longer than one span of the value walk (VALUE_SPAN, 256 positions),
+# ending mid-block: (context, new tokens) per sequence, heads, kv_heads, block_size, head_dim.
+LONG_CASES = [
+    ([(300, 1), (530, 1), (17, 1)], 32, 4, 16, 128),  # eight query heads a kv head (Qwen3)
+    ([(600, 1), (40, 3)], 24, 2, 16, 128),  # twelve: a tile of eight rows, then one of four
+    ([(290, 1)], 4, 2, 16, 256),  # head_dim 256 (Gemma), two query heads a kv head
+    ([(700, 1)], 6, 2, 16, 96),  # a head_dim the tiled walk does not take: the generic one
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", range(len(LONG_CASES)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_paged_attention_over_long_contexts_matches_float64_oracle(
+        case: int, dtype: torch.dtype) -> None:
+    step = Step(100 + case, *LONG_CASES[case], dtype)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(step.run().double(), step.oracle(), atol=tol, rtol=tol)
+
+
 def _force_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention.cpu_kernels, "supports", lambda dtype, device: False)
 

@@ -100,8 +100,20 @@ INLINE uint8_t kv_quantize(float x, int kv) {
     return fp8_encode(x, kv);
 }
 #ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2 /* how far ahead the context walk asks for the next blocks */
+/* How far ahead the context walk asks for the next blocks, into L2 (hint 2, prefetcht1): a
+ * long context's blocks are scattered pages, which the hardware prefetcher does not follow.
+ * Into L1 and two blocks ahead, a 4,096-token walk from memory (head_dim 128, bfloat16) took
+ * 1.3x as long. */
+#define PREFETCH_BLOCKS 4
+#endif
+#define PREFETCH_KV(p) __builtin_prefetch((p), 0, 2)
 
+/* Whether the values are walked by accumulate_values below (which asks for its own blocks,
+ * span by span) or by the generic loop (whose blocks the score walk asks for). */
+#if defined(__AVX512F__)
+#define VALUE_WALK_TILED(D) ((D) % 64 == 0)
+#else
+#define VALUE_WALK_TILED(D) 0
 #endif
 
 #if defined(__AVX512F__)
@@ -125,61 +137,105 @@ INLINE __m512 load16(const char *p, int is_bf16, int kv) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* Scores of one 16-key block for G query rows: out[g * 16 + i] = q_g . key_i, the keys
- * stored dimension-major (kb[d * 16 + i]); up to four query rows share each key load. */
+/* Scores of one 16-key block for G query rows, the keys stored dimension-major
+ * (kb[d * 16 + i]): out[g * ostride + i] = ks * (q_g . key_i) for the block's first n keys,
+ * written straight into the context's score rows. Up to eight query rows share each key
+ * load (head_dim 128 models have eight query heads a kv head: at four, every key was
+ * widened twice). */
 INLINE void score_block16(const char *kb, const float *qf, int64_t G, int64_t D, int is_bf16,
-                          int kv, float *out) {
+                          int kv, float ks, int64_t n, float *out, int64_t ostride) {
     const size_t esz = kv ? 1 : is_bf16 ? 2 : 4;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+    const __mmask16 keep = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t gn = G - g0 < 8 ? G - g0 : 8;
         const float *q0 = qf + g0 * D;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 a[8];
+        for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) {
             const __m512 k = load16(kb + (size_t)d * 16 * esz, is_bf16, kv);
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k, a0);
-            if (gn > 1) a1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), k, a1);
-            if (gn > 2) a2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), k, a2);
-            if (gn > 3) a3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), k, a3);
-        }
-        _mm512_storeu_ps(out + g0 * 16, a0);
-        if (gn > 1) _mm512_storeu_ps(out + (g0 + 1) * 16, a1);
-        if (gn > 2) _mm512_storeu_ps(out + (g0 + 2) * 16, a2);
-        if (gn > 3) _mm512_storeu_ps(out + (g0 + 3) * 16, a3);
-    }
-}
-/* Weighted sum of the context's values for up to four query rows (head_dim 64), the
- * sixteen float32 accumulators kept in registers for the whole walk over the blocks. */
-INLINE void accumulate_values64(const char *v_cache, const float *v_scale,
-                                const int64_t *table, int64_t L, int64_t KVH, int64_t h,
-                                int64_t BS, const float *probs, int64_t G, int is_bf16, int kv,
-                                float *acc) {
-    const size_t esz = kv ? 1 : is_bf16 ? 2 : 4;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = G - g0 < 4 ? G - g0 : 4;
-        const float *p0 = probs + g0 * L;
-        __m512 a[4][4];
-        for (int r = 0; r < 4; ++r)
-            for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
-        for (int64_t t0 = 0; t0 < L; t0 += BS) {
-            const char *blk = v_cache + (size_t)(table[t0 / BS] * KVH + h) * BS * 64 * esz;
-            const int64_t n = L - t0 < BS ? L - t0 : BS;
-            /* a quantized block's V scale rides on the probabilities */
-            const float vs = kv ? v_scale[table[t0 / BS] * KVH + h] : 1.f;
-            for (int64_t i = 0; i < n; ++i) {
-                const char *vr = blk + (size_t)i * 64 * esz;
-                __m512 v[4];
-                for (int c = 0; c < 4; ++c)
-                    v[c] = load16(vr + (size_t)c * 16 * esz, is_bf16, kv);
-                for (int r = 0; r < 4; ++r) {
-                    if (r >= gn) break;
-                    const float pv = p0[r * L + t0 + i];
-                    const __m512 pr = _mm512_set1_ps(kv ? pv * vs : pv);
-                    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
-                }
-            }
+            for (int r = 0; r < 8; ++r)
+                if (r < gn) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q0[r * D + d]), k, a[r]);
         }
         for (int r = 0; r < gn; ++r)
-            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g0 + r) * 64 + c * 16, a[r][c]);
+            _mm512_mask_storeu_ps(out + (g0 + r) * ostride, keep,
+                                  kv ? _mm512_mul_ps(a[r], _mm512_set1_ps(ks)) : a[r]);
+    }
+}
+
+/* acc[g0 + r][c0 .. c0 + 16 * C) for r < R (rn of them real) += the probability-weighted sum
+ * of the values of context positions [s0, s1): R * C = 16 float32 accumulators kept in
+ * registers over the walk, so each value vector loaded feeds R multiply-adds. With pf, the
+ * walk also asks for the value block PREFETCH_BLOCKS ahead (the first tile of a span: the
+ * others find the span in L2). */
+INLINE void accumulate_tile(const char *v_cache, const float *v_scale, const int64_t *table,
+                            int64_t s0, int64_t s1, int64_t L, int64_t KVH, int64_t h,
+                            int64_t BS, int64_t D, const float *p0, int64_t g0, int64_t rn,
+                            int64_t c0, int is_bf16, int kv, int pf, float *acc, const int R,
+                            const int C) {
+    const size_t esz = kv ? 1 : is_bf16 ? 2 : 4;
+    __m512 a[8][4];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+            a[r][c] = r < rn ? _mm512_loadu_ps(acc + (g0 + r) * D + c0 + c * 16)
+                             : _mm512_setzero_ps();
+    for (int64_t t0 = s0; t0 < s1; t0 += BS) {
+        const char *blk = v_cache + (size_t)(table[t0 / BS] * KVH + h) * BS * D * esz;
+        if (pf && t0 + PREFETCH_BLOCKS * BS < L) {
+            const char *ahead =
+                v_cache + (size_t)(table[t0 / BS + PREFETCH_BLOCKS] * KVH + h) * BS * D * esz;
+            for (int64_t c = 0; c < BS * D * (int64_t)esz; c += 64) PREFETCH_KV(ahead + c);
+        }
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+        /* a quantized block's V scale rides on the probabilities */
+        const float vs = kv ? v_scale[table[t0 / BS] * KVH + h] : 1.f;
+        for (int64_t i = 0; i < n; ++i) {
+            const char *vr = blk + (size_t)(i * D + c0) * esz;
+            __m512 v[4];
+            for (int c = 0; c < C; ++c) v[c] = load16(vr + (size_t)c * 16 * esz, is_bf16, kv);
+            for (int r = 0; r < R; ++r) {
+                if (r >= rn) break;
+                const float pv = p0[r * L + t0 + i];
+                const __m512 pr = _mm512_set1_ps(kv ? pv * vs : pv);
+                for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < rn; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g0 + r) * D + c0 + c * 16, a[r][c]);
+}
+
+/* Context positions a span of the value walk covers: every tile of the query rows and
+ * dimensions walks one span before the next, so a long context's values come from memory
+ * once (the span, 64 KB at head_dim 128 in bfloat16, stays in L2 for the other tiles). */
+#define VALUE_SPAN 256
+
+/* The weighted sum of the values for all G query rows (head_dim a multiple of 64): tiles of
+ * eight rows by 32 dimensions where eight rows remain, else four by 64. Kept in memory
+ * instead, head_dim 128's eight rows' accumulators were loaded and stored once per context
+ * token: half the speed of head_dim 64. */
+INLINE void accumulate_values(const char *v_cache, const float *v_scale, const int64_t *table,
+                              int64_t L, int64_t KVH, int64_t h, int64_t BS, int64_t D,
+                              const float *probs, int64_t G, int is_bf16, int kv, float *acc) {
+    memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    const int64_t span = (VALUE_SPAN + BS - 1) / BS * BS;
+    for (int64_t s0 = 0; s0 < L; s0 += span) {
+        const int64_t s1 = L - s0 < span ? L : s0 + span;
+        int pf = 1;
+        for (int64_t g0 = 0; g0 < G;) {
+            const int64_t rest = G - g0;
+            if (rest >= 8) {
+                for (int64_t c0 = 0; c0 < D; c0 += 32, pf = 0)
+                    accumulate_tile(v_cache, v_scale, table, s0, s1, L, KVH, h, BS, D,
+                                    probs + g0 * L, g0, 8, c0, is_bf16, kv, pf, acc, 8, 2);
+                g0 += 8;
+            } else {
+                const int64_t rn = rest < 4 ? rest : 4;
+                for (int64_t c0 = 0; c0 < D; c0 += 64, pf = 0)
+                    accumulate_tile(v_cache, v_scale, table, s0, s1, L, KVH, h, BS, D,
+                                    probs + g0 * L, g0, rn, c0, is_bf16, kv, pf, acc, 4, 4);
+                g0 += rn;
+            }
+        }
     }
 }
 
@@ -255,11 +311,11 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
     }
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const char *kb = (const char *)k_cache + (table[t0 / BS] * KVH + h) * BS * D * cesz;
-        if (t0 + PREFETCH_BLOCKS * BS < L) { /* a block further on: its keys and values */
+        if (t0 + PREFETCH_BLOCKS * BS < L) { /* a block further on */
             const size_t ahead = (size_t)(table[t0 / BS + PREFETCH_BLOCKS] * KVH + h) * BS * D * cesz;
             for (int64_t c = 0; c < BS * D * (int64_t)cesz; c += 64) {
-                __builtin_prefetch((const char *)k_cache + ahead + c);
-                __builtin_prefetch((const char *)v_cache + ahead + c);
+                PREFETCH_KV((const char *)k_cache + ahead + c);
+                if (!VALUE_WALK_TILED(D)) PREFETCH_KV((const char *)v_cache + ahead + c);
             }
         }
         const int64_t n = L - t0 < BS ? L - t0 : BS;
@@ -267,13 +323,7 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
         const float ks = kv ? k_scale[table[t0 / BS] * KVH + h] : 1.f;
 #if defined(__AVX512F__)
         if (BS == 16) {
-            score_block16(kb, qf, G, D, is_bf16, kv, blockscores);
-            for (int64_t g = 0; g < G; ++g) {
-                if (kv)
-                    for (int64_t i = 0; i < n; ++i) scores[g * L + t0 + i] = blockscores[g * BS + i] * ks;
-                else
-                    memcpy(scores + g * L + t0, blockscores + g * BS, sizeof(float) * n);
-            }
+            score_block16(kb, qf, G, D, is_bf16, kv, ks, n, scores + t0, L);
             continue;
         }
 #endif
@@ -313,9 +363,9 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
         for (int64_t t = skip; t < L; ++t) sg[t] *= inv;
     }
 #if defined(__AVX512F__)
-    if (D == 64) {
-        accumulate_values64((const char *)v_cache, v_scale, table, L, KVH, h, BS, scores, G,
-                            is_bf16, kv, acc);
+    if (VALUE_WALK_TILED(D)) {
+        accumulate_values((const char *)v_cache, v_scale, table, L, KVH, h, BS, D, scores, G,
+                          is_bf16, kv, acc);
         for (int64_t g = 0; g < G; ++g)
             store_row(out, is_bf16, b * H + h * G + g, D, acc + g * D);
         return;
