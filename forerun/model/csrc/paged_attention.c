@@ -162,6 +162,39 @@ INLINE void score_block16(const char *kb, const float *qf, int64_t G, int64_t D,
     }
 }
 
+#if defined(__AVX512BF16__)
+/* score_block16 for bfloat16 queries over a bfloat16 cache, by the bf16 dot-product
+ * instruction: each lane multiplies two dimensions of its key at once, products exact and
+ * summed in float32, so a block takes half the multiply-add instructions and no widening of
+ * the keys. qp holds each query row's dimensions in pairs (unscaled); rows d and d + 1 of
+ * the block's keys are one 64-byte load, interleaved key by key. */
+INLINE void score_block16_dp(const uint16_t *kb, const uint32_t *qp, int64_t G, int64_t D,
+                             float scale, int64_t n, float *out, int64_t ostride) {
+    const __mmask16 keep = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    const int64_t half = D / 2;
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t gn = G - g0 < 8 ? G - g0 : 8;
+        const uint32_t *q0 = qp + g0 * half;
+        __m512 a[8];
+        for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < half; ++j) {
+            const __m512bh k = (__m512bh)_mm512_permutexvar_epi16(
+                pairs, _mm512_loadu_si512((const void *)(kb + j * 32)));
+            for (int r = 0; r < 8; ++r)
+                if (r < gn)
+                    a[r] = _mm512_dpbf16_ps(
+                        a[r], k, (__m512bh)_mm512_set1_epi32((int)q0[r * half + j]));
+        }
+        for (int r = 0; r < gn; ++r)
+            _mm512_mask_storeu_ps(out + (g0 + r) * ostride, keep,
+                                  _mm512_mul_ps(a[r], _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
 /* acc[g0 + r][c0 .. c0 + 16 * C) for r < R (rn of them real) += the probability-weighted sum
  * of the values of context positions [s0, s1): R * C = 16 float32 accumulators kept in
  * registers over the walk, so each value vector loaded feeds R multiply-adds. With pf, the
@@ -305,6 +338,12 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
     table += base / BS;
     L -= base;
     const char *qrow = (const char *)q + b * q_stride * esz;
+#if defined(__AVX512BF16__)
+    /* bfloat16 queries over a bfloat16 cache: their pairs as they are, for score_block16_dp */
+    const int dp = is_bf16 && kv == KV_NATIVE && BS == 16 && D % 2 == 0;
+    if (dp) memcpy(qf, (const uint16_t *)qrow + h * G * D, sizeof(uint16_t) * (size_t)(G * D));
+    else
+#endif
     for (int64_t g = 0; g < G; ++g) {
         load_row(qrow, is_bf16, h * G + g, D, qf + g * D);
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
@@ -322,6 +361,13 @@ INLINE void attend(const void *q, int64_t q_stride, const void *k_cache, const v
         /* a quantized block's K scale: applied to its scores once, not to every key */
         const float ks = kv ? k_scale[table[t0 / BS] * KVH + h] : 1.f;
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+        if (dp) {
+            score_block16_dp((const uint16_t *)kb, (const uint32_t *)qf, G, D, scale, n,
+                             scores + t0, L);
+            continue;
+        }
+#endif
         if (BS == 16) {
             score_block16(kb, qf, G, D, is_bf16, kv, ks, n, scores + t0, L);
             continue;
