@@ -22,7 +22,8 @@ Per pair, with the prompt and decode lengths of scale.py:
 - with ``--depth N``, decode only, after N tokens of context: forerun the time from the first
   to the last of 128 output tokens of one request with an N-token prompt (its
   ``RequestOutput.metrics``) over 127; llama.cpp ``tg128 @ dN`` (``llama-bench -p 0 -d N``).
-  At a long context the attention's reads of the KV cache join the weights'.
+  At a long context the attention's reads of the KV cache join the weights': the read rates
+  then count the cache's bytes too (2 bytes a value, the middle of the decode's context).
 
     python benchmarks/decode_pairs.py --llama-cpp-dir LLAMA_CPP_TREE \\
         /tmp/scale/1b/1b-Q4_0.gguf /tmp/scale/1b/1b-Q4_K_M.gguf --pairs 6
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 from common import markdown_table, random_prompts, write_json
 from machine_load import check_quiet
-from scale import gguf_step_bytes
+from scale import gguf_kv_bytes_per_position, gguf_step_bytes
 
 VOCAB = 49152
 COLUMNS = ["file", "pairs", "forerun prompt tok/s", "llama.cpp prompt tok/s", "prompt ratio",
@@ -169,7 +170,11 @@ def run_file(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
             pairs.append(pair)
     finally:
         timer.close()
-    return {"file": str(gguf), "step_bytes": gguf_step_bytes(gguf), "pairs": pairs}
+    # At a depth a step also reads the KV cache: on average depth + decode_len / 2 positions.
+    kv = (gguf_kv_bytes_per_position(gguf) * (args.depth + args.decode_len // 2)
+          if args.depth else 0)
+    return {"file": str(gguf), "step_bytes": gguf_step_bytes(gguf) + kv, "kv_bytes": kv,
+            "pairs": pairs}
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:

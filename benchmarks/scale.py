@@ -524,6 +524,25 @@ def gguf_step_bytes(path: Path) -> int:
     return int(linear) + sizes.get("output.weight", sizes["token_embd.weight"])
 
 
+def gguf_kv_bytes_per_position(path: Path, elem_bytes: int = 2) -> int:
+    """Bytes of K and V one context position holds over all layers (a 2-byte cache: forerun's
+    bfloat16, llama.cpp's float16): what a decode step's attention reads per position."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def field(key: str) -> int:
+        f = reader.fields.get(f"{arch}.{key}")
+        return int(f.contents()) if f is not None else 0
+
+    head_dim = field("attention.key_length") or (field("embedding_length")
+                                                 // field("attention.head_count"))
+    value_dim = field("attention.value_length") or head_dim
+    kv_heads = field("attention.head_count_kv") or field("attention.head_count")
+    return field("block_count") * kv_heads * (head_dim + value_dim) * elem_bytes
+
+
 def forerun_step_bytes(model: Any) -> int:
     """Bytes forerun's loaded model reads per decode step: each layer linear and the output
     head, as its blocks (gguf, int8) or in the model's dtype (plain and oneDNN-packed)."""
