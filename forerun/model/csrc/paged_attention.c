@@ -140,8 +140,8 @@ INLINE __m512 load16(const char *p, int is_bf16, int kv) {
 /* Scores of one 16-key block for G query rows, the keys stored dimension-major
  * (kb[d * 16 + i]): out[g * ostride + i] = ks * (q_g . key_i) for the block's first n keys,
  * written straight into the context's score rows. Up to eight query rows share each key
- * load (head_dim 128 models have eight query heads a kv head: at four, every key was
- * widened twice). */
+ * load (Qwen3-30B-A3B has eight query heads a kv head: at four, every key was widened
+ * twice). */
 INLINE void score_block16(const char *kb, const float *qf, int64_t G, int64_t D, int is_bf16,
                           int kv, float ks, int64_t n, float *out, int64_t ostride) {
     const size_t esz = kv ? 1 : is_bf16 ? 2 : 4;
