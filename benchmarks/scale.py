@@ -505,9 +505,8 @@ def describe_files(files: ShapeFiles) -> dict[str, int]:
 
 
 # --- what a decode step reads -------------------------------------------------------------
-def gguf_step_bytes(path: Path) -> int:
-    """Bytes of a GGUF's layer linears and output head (token_embd when tied), as stored; of
-    a layer's stacked experts (``ffn_*_exps``) the share one token reads, top-k of them."""
+def _gguf_fields(path: Path) -> tuple[Any, Callable[[str], int]]:
+    """A GGUF's reader, and its architecture's integer fields by key (0 when absent)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -517,6 +516,13 @@ def gguf_step_bytes(path: Path) -> int:
         f = reader.fields.get(f"{arch}.{key}")
         return int(f.contents()) if f is not None else 0
 
+    return reader, field
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes of a GGUF's layer linears and output head (token_embd when tied), as stored; of
+    a layer's stacked experts (``ffn_*_exps``) the share one token reads, top-k of them."""
+    reader, field = _gguf_fields(path)
     share = field("expert_used_count") / field("expert_count") if field("expert_count") else 1
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     linear = sum(b * (share if "_exps." in n else 1) for n, b in sizes.items()
@@ -527,15 +533,7 @@ def gguf_step_bytes(path: Path) -> int:
 def gguf_kv_bytes_per_position(path: Path, elem_bytes: int = 2) -> int:
     """Bytes of K and V one context position holds over all layers (a 2-byte cache: forerun's
     bfloat16, llama.cpp's float16): what a decode step's attention reads per position."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-
-    def field(key: str) -> int:
-        f = reader.fields.get(f"{arch}.{key}")
-        return int(f.contents()) if f is not None else 0
-
+    _, field = _gguf_fields(path)
     head_dim = field("attention.key_length") or (field("embedding_length")
                                                  // field("attention.head_count"))
     value_dim = field("attention.value_length") or head_dim
