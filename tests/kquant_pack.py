@@ -1,5 +1,5 @@
-"""A test-only packer for GGUF K-quants (Q2_K ... Q6_K, IQ4_XS): float rows -> the file's
-bytes.
+"""A test-only packer for GGUF K-quants (Q2_K ... Q6_K, IQ4_XS) and IQ4_NL: float rows -> the
+file's bytes.
 
 The ``gguf`` package reads these types but cannot write them, so the tests quantize with
 this plain round-to-nearest packer (simpler than llama.cpp's searched scales, so a little
@@ -156,3 +156,29 @@ def random_kblocks(qtype: GT, n: int, k: int, rng: np.random.Generator) -> np.nd
     for off in _HALF_OFFSETS[qtype]:
         raw[:, off:off + 2] = _f16(rng.uniform(1e-3, 1e-2, size=n * nb))
     return raw.reshape(n, nb * BLOCK_BYTES[qtype])
+
+
+def pack_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """float ``w`` ``[n, k]`` (``k`` a multiple of 32) -> IQ4_NL rows ``[n, k / 32 * 18]``:
+    per 32 values the one of largest magnitude on the level -127 (``d`` may be negative),
+    the rest on their nearest level."""
+    n, k = w.shape
+    xs = np.asarray(w, dtype=np.float32).reshape(-1, 32)
+    peak = np.take_along_axis(xs, np.abs(xs).argmax(axis=-1)[:, None], -1)[:, 0]
+    d = (peak / -127.0).astype(np.float16).astype(np.float32)
+    idx = np.abs(_IQ4_LEVELS * d[:, None, None] - xs[..., None]).argmin(axis=-1)
+    idx = idx.astype(np.uint8)
+    qs = idx[:, :16] | (idx[:, 16:] << 4)
+    return np.ascontiguousarray(np.concatenate([_f16(d), qs], axis=1).reshape(n, k // 32 * 18))
+
+
+def pack_blocks(w: np.ndarray, qtype: GT) -> np.ndarray:
+    """``w`` in ``qtype``: this module's packers for the types ``gguf`` cannot write, else
+    ``gguf.quants.quantize``."""
+    from gguf.quants import quantize
+
+    if qtype in BLOCK_BYTES:
+        return pack_kquant(w, qtype)
+    if qtype == GT.IQ4_NL:
+        return pack_iq4_nl(w)
+    return quantize(np.asarray(w, dtype=np.float32), qtype)

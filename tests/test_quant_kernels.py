@@ -1,5 +1,7 @@
 """Quantized-weight kernels (forerun/model/csrc/quant_matmul.c and the torch fallback)
-against float64 oracles that dequantize the same blocks with the ``gguf`` package.
+against float64 oracles that dequantize the same blocks with the ``gguf`` package: Q8_0, Q4_0,
+Q4_1, and Q5_0, Q5_1 and IQ4_NL (the 32-value types llama.cpp writes in K-quant files for
+rows that are not a multiple of 256 values).
 
 Every instruction-set body this machine can run is built on its own (``-march=...``) and
 checked, besides the kernel library's native build and the pure-torch fallback.
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from forerun.model import cpu_kernels
 from forerun.model.quant import resident_weight_bytes, validate_quantization
@@ -21,8 +23,9 @@ from forerun.model.quant.gguf_blocks import dequantize_rows, gguf_matmul_torch
 from forerun.model.quant.gguf_linear import GGUFEmbedding, GGUFLinear
 from forerun.model.quant.int8_linear import Int8Linear, quantize_weight_int8
 from tests.kernel_variants import cpu_flags
+from tests.kquant_pack import pack_blocks
 
-QTYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1]
+QTYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.IQ4_NL]
 # (m rows of x, n outputs, k inputs): batch 1 and 64, odd n, k one block and many.
 SHAPES = [(1, 37, 32), (1, 96, 576), (3, 17, 160), (64, 45, 96), (64, 8, 1536)]
 
@@ -30,7 +33,7 @@ SHAPES = [(1, 37, 32), (1, 96, 576), (3, 17, 160), (64, 45, 96), (64, 8, 1536)]
 def _linear(qtype: GT, n: int, k: int, seed: int) -> tuple[GGUFLinear, np.ndarray]:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    raw = quantize(w, qtype)
+    raw = pack_blocks(w, qtype)
     return GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k), \
         dequantize(raw, qtype).astype(np.float64)
 
@@ -116,9 +119,9 @@ def test_bias_and_bfloat16(gguf_paths, qtype: GT) -> None:
 
 def test_fused_parts_of_different_types(gguf_paths) -> None:
     rng = np.random.default_rng(5)
-    ws = [rng.standard_normal((n, 64)).astype(np.float32) for n in (24, 8, 9)]
-    types = [GT.Q4_1, GT.Q8_0, GT.Q4_0]
-    raws = [quantize(w, t) for w, t in zip(ws, types, strict=True)]
+    ws = [rng.standard_normal((n, 64)).astype(np.float32) for n in (24, 8, 9, 5)]
+    types = [GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.IQ4_NL]
+    raws = [pack_blocks(w, t) for w, t in zip(ws, types, strict=True)]
     lin = GGUFLinear([(int(t), torch.from_numpy(r.copy())) for t, r in
                       zip(types, raws, strict=True)], 64)
     wd = np.concatenate([dequantize(r, t) for r, t in zip(raws, types, strict=True)]
@@ -128,13 +131,13 @@ def test_fused_parts_of_different_types(gguf_paths) -> None:
         for path, lib in gguf_paths:
             _check(_run(lin, x, path, lib), x, wd)
     x = torch.randn(2, 3, 64)  # leading dimensions are kept
-    assert lin(x).shape == (2, 3, 41)
+    assert lin(x).shape == (2, 3, 46)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_dequantized_rows_are_the_files_values(qtype: GT) -> None:
     rng = np.random.default_rng(11)
-    raw = quantize(rng.standard_normal((30, 96)).astype(np.float32), qtype)
+    raw = pack_blocks(rng.standard_normal((30, 96)).astype(np.float32), qtype)
     want = dequantize(raw, qtype)
     got = dequantize_rows(int(qtype), torch.from_numpy(raw.copy()), 96)
     assert np.array_equal(got.numpy(), want)
@@ -146,6 +149,51 @@ def test_dequantized_rows_are_the_files_values(qtype: GT) -> None:
     assert torch.equal(emb(ids), torch.from_numpy(want)[ids])
     # 30 rows held as two tiles of 16 (the last padded with zero blocks).
     assert resident_weight_bytes(emb) == raw.nbytes // 30 * 32
+
+
+def _random_blocks(qtype: GT, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Rows of random bytes (every nibble, every fifth bit) with small fp16 scales (and
+    Q5_1's offsets) of either sign."""
+    size = {GT.Q5_0: 22, GT.Q5_1: 24, GT.IQ4_NL: 18}[qtype]
+    raw = rng.integers(0, 256, size=(n * (k // 32), size), dtype=np.uint8)
+    for off in ((0, 2) if qtype == GT.Q5_1 else (0,)):
+        raw[:, off:off + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(
+            np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", [GT.Q5_0, GT.Q5_1, GT.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 7])
+def test_random_bytes_of_the_fallback_types(gguf_paths, qtype: GT, m: int) -> None:
+    rng = np.random.default_rng(m + int(qtype))
+    raw = _random_blocks(qtype, 35, 160, rng)
+    wd = dequantize(raw, qtype).astype(np.float64)
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], 160)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
+    for path, lib in gguf_paths:
+        _check(_run(lin, x, path, lib), x, wd)
+
+
+@pytest.mark.parametrize(("qtype", "fill"), [
+    (GT.Q5_1, 0xFF),  # every value 31, the largest unsigned u (the maddubs body's int16 sums)
+    (GT.Q5_0, 0x00),  # every value 0 - 16
+    (GT.IQ4_NL, 0x00),  # every level -127
+    (GT.IQ4_NL, 0xFF),  # every level 113
+], ids=["Q5_1-31", "Q5_0-minus16", "IQ4_NL-minus127", "IQ4_NL-113"])
+def test_largest_values_against_largest_activations_do_not_overflow(gguf_paths, qtype: GT,
+                                                                    fill: int) -> None:
+    """Activations quantizing to +-127 against the type's largest quants: the AVX2 bodies'
+    int16 products and sums at their bounds."""
+    raw = _random_blocks(qtype, 20, 512, np.random.default_rng(fill))
+    quants = raw.reshape(-1, raw.shape[1] // (512 // 32))
+    quants[:, 4 if qtype == GT.Q5_1 else 2:] = fill  # qh and qs (IQ4_NL: qs)
+    wd = dequantize(raw, qtype).astype(np.float64)
+    lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], 512)
+    x = torch.ones(6, 512)
+    x[1::3] = -1.0
+    x[2::3, ::2] = -1.0
+    for path, lib in gguf_paths:
+        _check(_run(lin, x, path, lib), x, wd)
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["c-ends", "torch"])

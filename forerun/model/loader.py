@@ -76,8 +76,9 @@ def _with_progress(
 def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
                       device: torch.device) -> None:
     """quantization="gguf": the file's linears (and embedding) in a type with a native kernel
-    (Q8_0/Q4_0/Q4_1, MXFP4, the K-quants Q2_K-Q6_K and IQ4_XS) keep their blocks; every other
-    tensor loads dequantized, as on the exact path, and the log names the types that did."""
+    (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, IQ4_NL, MXFP4, the K-quants Q2_K-Q6_K and IQ4_XS) keep their
+    blocks; every other tensor loads dequantized, as on the exact path, and the log names the
+    types that did."""
     if not source.is_gguf:
         raise ModelLoadError(
             f"quantization='gguf' needs a GGUF file, and {source.name} is a Hugging Face "
@@ -89,8 +90,8 @@ def _load_gguf_blocks(model: CausalLM, source: ModelSource, dtype: torch.dtype,
     if not any(n.endswith(("_proj.weight", "lm_head.weight")) for n in used):
         raise ModelLoadError(
             f"quantization='gguf': {path.name} has no linear weights in a type run natively "
-            "(Q8_0, Q4_0, Q4_1 or MXFP4, the K-quants Q2_K to Q6_K or IQ4_XS; other GGUF "
-            "types load dequantized with quantization=None)")
+            "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL or MXFP4, the K-quants Q2_K to Q6_K or "
+            "IQ4_XS; other GGUF types load dequantized with quantization=None)")
     # Every tensor type (float32 aside) held dequantized rather than in its blocks: its type
     # has no kernel here, or it is part of a fused linear with a part that has none.
     left = Counter(GGMLQuantizationType(int(t.tensor_type)).name for t in reader.tensors

@@ -1,16 +1,25 @@
-/* y = x @ W.T (+ bias) with W in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, MXFP4): the
- * matmuls of quantization="gguf" (CPU).
+/* y = x @ W.T (+ bias) with W in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+ * IQ4_NL, MXFP4): the matmuls of quantization="gguf" (CPU).
  *
  * The formats, per block of 32 values of a weight row:
- *   Q8_0: fp16 d, int8 q[32]              w = d * q
- *   Q4_0: fp16 d, uint8 qs[16]            w = d * (nibble - 8)
- *   Q4_1: fp16 d, fp16 m, uint8 qs[16]    w = d * nibble + m
- *   MXFP4: uint8 e (E8M0), uint8 qs[16]   w = 2^(e - 128) * level[nibble]
- * (value j of a 4-bit block is the low nibble of qs[j], value 16 + j its high nibble).
+ *   Q8_0: fp16 d, int8 q[32]                         w = d * q
+ *   Q4_0: fp16 d, uint8 qs[16]                       w = d * (nibble - 8)
+ *   Q4_1: fp16 d, fp16 m, uint8 qs[16]               w = d * nibble + m
+ *   Q5_0: fp16 d, uint32 qh, uint8 qs[16]            w = d * (q5 - 16)
+ *   Q5_1: fp16 d, fp16 m, uint32 qh, uint8 qs[16]    w = d * q5 + m
+ *   IQ4_NL: fp16 d, uint8 qs[16]                     w = d * level[nibble]
+ *   MXFP4: uint8 e (E8M0), uint8 qs[16]              w = 2^(e - 128) * level[nibble]
+ * (value j of a 4-bit block is the low nibble of qs[j], value 16 + j its high nibble; a Q5
+ * value's fifth bit is bit j of qh, little-endian). Q5_0, Q5_1 and IQ4_NL are what llama.cpp
+ * writes in a K-quant file (Q4_K_M, Q5_K_M, IQ4_XS) for a tensor whose rows are not a multiple
+ * of 256 values, so widths like 576, 896 or 2880 put many of a model's linears in them.
  * MXFP4's levels are its FP4 E2M1 values doubled (ggml's kvalues_mxfp4, -12..12; the scale
  * halved to match); the kernels read them as u = level + 12 (0..24) with c = -12 d, so that
  * they take the unsigned byte dot products of the other 4-bit types, one byte shuffle per 32
- * nibbles looking the 16 values up.
+ * nibbles looking the 16 values up. IQ4_NL's levels (ggml's kvalues_iq4nl, -127..113) are
+ * read the same way, as u = level + 127 with c = -127 d, where the dot product is VNNI's; the
+ * AVX2 maddubs form would saturate on those u, so the AVX2 bodies take the signed level and
+ * move its sign onto the activation byte, as for Q8_0.
  *
  * Layout in memory: the file's blocks, regrouped (same bytes, same bits) by 16 rows, so that
  * one 64-byte load feeds 16 output rows at once: a "tile" is block b of 16 consecutive rows,
@@ -168,10 +177,31 @@ static inline int32_t act4(const int8_t *a) { /* 4 activation bytes as one lane 
     return v;
 }
 
+/* Q5_0 / Q5_1 tiles: the 64-byte line after the header holds the 16 rows' qh (row r's in
+ * bytes 4r..4r+3), so each 32-bit lane of a line carries its row's fifth bits. Quant line j
+ * holds values 4j..4j+3 (low nibbles) and 16 + 4j..16 + 4j + 3 (high): their fifth bits are
+ * bits 4j.. of qh byte j / 2 and of byte 2 + j / 2. QH_SEL picks that byte into all four
+ * bytes of its lane (a byte shuffle stays within 16 bytes: dword p's bytes are 4p..4p+3),
+ * QH_BITS(j) is the bit each of the four bytes tests. */
+#define QH_SEL(byte) (0x01010101 * (byte))
+#define QH_BITS(j) ((int)(0x08040201u << (4 * ((j) % 2))))
+static const int32_t QH_LANE[4] = {0, 0x04040404, 0x08080808, 0x0c0c0c0c};
+
 /* ---- one group of 16 weight rows against up to MAXM activation rows ----------------------
  * out[i][r] = row r of the group . activation row i. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ISA 3
+/* u0 / u1 (line j's low / high nibbles of 16 rows) plus 16 where the value's fifth bit is set,
+ * from the rows' qh line. */
+static inline __attribute__((always_inline)) void add_fifth_bits(__m512i qh, int j,
+                                                                  __m512i *u0, __m512i *u1) {
+    const __m512i lane = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)QH_LANE));
+    const __m512i bits = _mm512_set1_epi32(QH_BITS(j)), sixteen = _mm512_set1_epi8(16);
+    const __m512i lo = _mm512_shuffle_epi8(qh, _mm512_add_epi32(lane, _mm512_set1_epi32(QH_SEL(j / 2))));
+    const __m512i hi = _mm512_shuffle_epi8(qh, _mm512_add_epi32(lane, _mm512_set1_epi32(QH_SEL(2 + j / 2))));
+    *u0 = _mm512_mask_add_epi8(*u0, _mm512_test_epi8_mask(lo, bits), *u0, sixteen);
+    *u1 = _mm512_mask_add_epi8(*u1, _mm512_test_epi8_mask(hi, bits), *u1, sixteen);
+}
 /* m a compile-time constant per instance (group_rows below), so each row's sum and
  * accumulator stay in registers for up to MAXM_K rows; a block's offset term (c times the
  * activations' scaled sum) goes into the same accumulator. */
@@ -180,9 +210,15 @@ static inline __attribute__((always_inline)) void group_rows_m(
     const float *ssa, int64_t k, const int m, float out[MAXM_K][GR]) {
     const int64_t tb = GR * block_bytes(type), hdr = tile_header(type);
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
-    const __m512i mxu = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_U));
-    const int mx = type == QT_MXFP4;
-    const __m512 cd = _mm512_set1_ps(type == QT_Q4_0 ? -8.f : mx ? -MXFP4_OFFSET : -128.f);
+    const int mx = type == QT_MXFP4, nl = type == QT_IQ4_NL;
+    const int q5 = type == QT_Q5_0 || type == QT_Q5_1, with_m = type == QT_Q4_1 || type == QT_Q5_1;
+    const __m512i lut =
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(nl ? IQ4NL_U : MXFP4_U)));
+    const __m512 cd = _mm512_set1_ps(type == QT_Q4_0   ? -8.f
+                                     : type == QT_Q5_0 ? -16.f
+                                     : mx              ? -MXFP4_OFFSET
+                                     : nl              ? -IQ4NL_OFFSET
+                                                       : -128.f);
     __m512 acc[MAXM_K];
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -192,8 +228,9 @@ static inline __attribute__((always_inline)) void group_rows_m(
                 _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
         const __m512 d = mx ? e8m0_half16(t)
                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
-        /* c = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0: u = q + 128), -12 d (MXFP4) */
-        const __m512 c = type == QT_Q4_1
+        /* c = m (Q4_1, Q5_1), -8 d (Q4_0), -16 d (Q5_0), -128 d (Q8_0: u = q + 128), -12 d
+         * (MXFP4), -127 d (IQ4_NL) */
+        const __m512 c = with_m
                              ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)))
                              : _mm512_mul_ps(d, cd);
         __m512i sum[MAXM_K];
@@ -209,13 +246,17 @@ static inline __attribute__((always_inline)) void group_rows_m(
                 }
             }
         } else {
+            const uint8_t *qs = q5 ? lines + 64 : lines;
+            const __m512i qh = q5 ? _mm512_loadu_si512((const void *)lines) : low4;
             for (int j = 0; j < 4; ++j) {
-                const __m512i l = _mm512_loadu_si512((const void *)(lines + 64 * j));
+                const __m512i l = _mm512_loadu_si512((const void *)(qs + 64 * j));
                 __m512i u0 = _mm512_and_si512(l, low4);
                 __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), low4);
-                if (mx) {
-                    u0 = _mm512_shuffle_epi8(mxu, u0);
-                    u1 = _mm512_shuffle_epi8(mxu, u1);
+                if (mx || nl) {
+                    u0 = _mm512_shuffle_epi8(lut, u0);
+                    u1 = _mm512_shuffle_epi8(lut, u1);
+                } else if (q5) {
+                    add_fifth_bits(qh, j, &u0, &u1);
                 }
                 for (int i = 0; i < m; ++i) {
                     const int8_t *a = qa + i * k + b * QK;
@@ -236,6 +277,19 @@ static inline __attribute__((always_inline)) void group_rows_m(
 }
 
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* add_fifth_bits of the 512-bit body for 8 rows (half a line). */
+static inline __attribute__((always_inline)) void add_fifth_bits(__m256i qh, int j,
+                                                                  __m256i *u0, __m256i *u1) {
+    const __m256i lane = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QH_LANE));
+    const __m256i bits = _mm256_set1_epi32(QH_BITS(j)), sixteen = _mm256_set1_epi8(16);
+    const __m256i lo = _mm256_and_si256(
+        _mm256_shuffle_epi8(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(QH_SEL(j / 2)))), bits);
+    const __m256i hi = _mm256_and_si256(
+        _mm256_shuffle_epi8(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(QH_SEL(2 + j / 2)))),
+        bits);
+    *u0 = _mm256_or_si256(*u0, _mm256_and_si256(_mm256_cmpeq_epi8(lo, bits), sixteen));
+    *u1 = _mm256_or_si256(*u1, _mm256_and_si256(_mm256_cmpeq_epi8(hi, bits), sixteen));
+}
 #if defined(__AVXVNNI__)
 #define ISA 2
 #define DOT_U8S8(acc, u, a) _mm256_dpbusd_avx_epi32(acc, u, a)
@@ -265,8 +319,11 @@ static inline __attribute__((always_inline)) void group_rows_m(
     const int64_t tb = GR * block_bytes(type), hdr = tile_header(type);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i mxu = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_U));
-    const int mx = type == QT_MXFP4;
-    const __m256 cd = _mm256_set1_ps(mx ? -MXFP4_OFFSET : -8.f);
+    const __m256i nlv =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL_LEVELS));
+    const int mx = type == QT_MXFP4, nl = type == QT_IQ4_NL;
+    const int q5 = type == QT_Q5_0 || type == QT_Q5_1;
+    const __m256 cd = _mm256_set1_ps(mx ? -MXFP4_OFFSET : type == QT_Q5_0 ? -16.f : -8.f);
     (void)ones; /* unused with VNNI */
     __m256 acc[2][MAXM];
     for (int h = 0; h < 2; ++h)
@@ -295,8 +352,9 @@ static inline __attribute__((always_inline)) void group_rows_m(
             }
         } else {
             /* Without VNNI the 8 byte-pair products of a block are summed in int16
-             * (8 * 2 * 15 * 127 < 32767) and widened by one madd; MXFP4's u (<= 24) by two,
-             * four pairs each (4 * 2 * 24 * 127 < 32767). */
+             * (8 * 2 * 15 * 127 < 32767) and widened by one madd; MXFP4's u (<= 24) and the
+             * Q5 types' (<= 31) by two, four pairs each (4 * 2 * 31 * 127 < 32767). IQ4_NL's
+             * signed levels (|level| <= 127, its sign on a) are widened at once. */
             for (int h = 0; h < 2; ++h)
                 for (int i = 0; i < m; ++i) dot[h][i] = _mm256_setzero_si256();
 #if ISA != 2
@@ -304,6 +362,11 @@ static inline __attribute__((always_inline)) void group_rows_m(
             for (int h = 0; h < 2; ++h)
                 for (int i = 0; i < m; ++i) s16[h][i] = _mm256_setzero_si256();
 #endif
+            const uint8_t *qs = q5 ? lines + 64 : lines;
+            __m256i qh[2] = {low4, low4};
+            if (q5)
+                for (int h = 0; h < 2; ++h)
+                    qh[h] = _mm256_loadu_si256((const __m256i *)(lines + 32 * h));
             for (int j = 0; j < 4; ++j) {
                 __m256i alo[MAXM], ahi[MAXM];
                 for (int i = 0; i < m; ++i) {
@@ -313,12 +376,25 @@ static inline __attribute__((always_inline)) void group_rows_m(
                 }
                 for (int h = 0; h < 2; ++h) {
                     const __m256i l =
-                        _mm256_loadu_si256((const __m256i *)(lines + 64 * j + 32 * h));
+                        _mm256_loadu_si256((const __m256i *)(qs + 64 * j + 32 * h));
                     __m256i u0 = _mm256_and_si256(l, low4);
                     __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
+                    if (nl) {
+                        const __m256i v0 = _mm256_shuffle_epi8(nlv, u0);
+                        const __m256i v1 = _mm256_shuffle_epi8(nlv, u1);
+                        u0 = _mm256_sign_epi8(v0, v0);
+                        u1 = _mm256_sign_epi8(v1, v1);
+                        for (int i = 0; i < m; ++i)
+                            dot[h][i] = DOT_U8S8(DOT_U8S8(dot[h][i], u0,
+                                                          _mm256_sign_epi8(alo[i], v0)),
+                                                 u1, _mm256_sign_epi8(ahi[i], v1));
+                        continue;
+                    }
                     if (mx) {
                         u0 = _mm256_shuffle_epi8(mxu, u0);
                         u1 = _mm256_shuffle_epi8(mxu, u1);
+                    } else if (q5) {
+                        add_fifth_bits(qh[h], j, &u0, &u1);
                     }
                     for (int i = 0; i < m; ++i) {
 #if ISA == 2
@@ -331,7 +407,7 @@ static inline __attribute__((always_inline)) void group_rows_m(
                     }
                 }
 #if ISA != 2
-                if (j % 2 == 1 && (mx || j == 3))
+                if (j % 2 == 1 && (mx || q5 || j == 3))
                     for (int h = 0; h < 2; ++h)
                         for (int i = 0; i < m; ++i) {
                             dot[h][i] = _mm256_add_epi32(dot[h][i],
@@ -345,16 +421,17 @@ static inline __attribute__((always_inline)) void group_rows_m(
             const __m256 d =
                 mx ? e8m0_half8(t + 8 * h)
                    : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
-            __m256 c = _mm256_setzero_ps(); /* Q8_0 here: u = |q| with q's sign on a, c = 0 */
-            if (type == QT_Q4_1)
+            /* Q8_0 and IQ4_NL here: u = |level| with its sign on a, c = 0 */
+            __m256 c = _mm256_setzero_ps();
+            if (type == QT_Q4_1 || type == QT_Q5_1)
                 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * h)));
-            else if (type == QT_Q4_0 || mx)
+            else if (type == QT_Q4_0 || type == QT_Q5_0 || mx)
                 c = _mm256_mul_ps(d, cd);
             for (int i = 0; i < m; ++i) {
                 acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][i]),
                                             _mm256_mul_ps(d, _mm256_set1_ps(sa[i * nb + b])),
                                             acc[h][i]);
-                if (type != QT_Q8_0)
+                if (type != QT_Q8_0 && !nl)
                     acc[h][i] = _mm256_fmadd_ps(c, _mm256_set1_ps(ssa[i * nb + b]), acc[h][i]);
             }
         }
@@ -374,19 +451,26 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *t = tiles + b * tb, *lines = t + hdr;
         for (int r = 0; r < GR; ++r) {
-            const int mx = type == QT_MXFP4;
+            const int mx = type == QT_MXFP4, nl = type == QT_IQ4_NL;
+            const int q5 = type == QT_Q5_0 || type == QT_Q5_1;
             const float d = mx ? e8m0_half(t[r]) : fp16_to_f32(t + 2 * r);
-            const float c = type == QT_Q4_1 ? fp16_to_f32(t + 32 + 2 * r)
+            const float c = type == QT_Q4_1 || type == QT_Q5_1 ? fp16_to_f32(t + 32 + 2 * r)
                             : type == QT_Q4_0 ? -8.f * d
-                            : mx ? -MXFP4_OFFSET * d : 0.f;
+                            : type == QT_Q5_0 ? -16.f * d
+                            : mx ? -MXFP4_OFFSET * d
+                            : nl ? -IQ4NL_OFFSET * d : 0.f;
             int32_t u[QK];
             if (type == QT_Q8_0) {
                 for (int j = 0; j < QK; ++j) u[j] = (int8_t)lines[64 * (j / 4) + 4 * r + j % 4];
             } else {
+                const uint8_t *qs = q5 ? lines + 64 : lines;
+                uint32_t qh = 0;
+                if (q5) memcpy(&qh, lines + 4 * r, sizeof qh);
+                const uint8_t *lut = mx ? MXFP4_U : nl ? IQ4NL_U : NULL;
                 for (int j = 0; j < 16; ++j) {
-                    const uint8_t byte = lines[64 * (j / 4) + 4 * r + j % 4];
-                    u[j] = mx ? MXFP4_U[byte & 0x0f] : byte & 0x0f;
-                    u[j + 16] = mx ? MXFP4_U[byte >> 4] : byte >> 4;
+                    const uint8_t byte = qs[64 * (j / 4) + 4 * r + j % 4];
+                    u[j] = lut ? lut[byte & 0x0f] : (byte & 0x0f) | ((qh >> j) & 1) << 4;
+                    u[j + 16] = lut ? lut[byte >> 4] : (byte >> 4) | ((qh >> (j + 16)) & 1) << 4;
                 }
             }
             for (int64_t i = 0; i < m; ++i) {

@@ -1,7 +1,8 @@
 """Quantized weights (``quantization=`` at load): the block formats and their matmuls.
 
 - ``None``: the exact path, weights dequantized to the model's dtype.
-- ``"gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / MXFP4 blocks (:mod:`.gguf_blocks`) and
+- ``"gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / MXFP4 blocks
+  (:mod:`.gguf_blocks`) and
   K-quant Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks (:mod:`.kquant_blocks`)
   stay in memory as they are in the file and the linear layers (and a tied output head)
   compute with them

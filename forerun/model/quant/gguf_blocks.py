@@ -5,6 +5,11 @@ A weight row of ``k`` values is ``k / 32`` blocks, as stored in the file:
 - Q8_0 (34 bytes): fp16 ``d``, 32 int8 ``q``; ``w = d * q``.
 - Q4_0 (18 bytes): fp16 ``d``, 16 bytes of nibbles; ``w = d * (nibble - 8)``.
 - Q4_1 (20 bytes): fp16 ``d``, fp16 ``m``, 16 bytes of nibbles; ``w = d * nibble + m``.
+- Q5_0 (22 bytes): fp16 ``d``, 4 bytes ``qh``, 16 bytes of nibbles; ``w = d * (q5 - 16)``,
+  ``q5`` a nibble with bit ``j`` of ``qh`` (little-endian) as its fifth bit for value ``j``.
+- Q5_1 (24 bytes): fp16 ``d``, fp16 ``m``, ``qh``, 16 bytes of nibbles; ``w = d * q5 + m``.
+- IQ4_NL (18 bytes): fp16 ``d``, 16 bytes of nibbles, each indexing 16 non-linear levels
+  (:data:`IQ4NL_LEVELS`, -127..113); ``w = d * level[nibble]``.
 - MXFP4 (17 bytes; gpt-oss's experts): one E8M0 exponent byte ``e``, 16 bytes of nibbles,
   each an FP4 E2M1 value (bit 3 the sign, then 0, .5, 1, 1.5, 2, 3, 4, 6). As ggml does, the
   values are held doubled, as the integers :data:`MXFP4_LEVELS`, with the scale halved:
@@ -14,14 +19,17 @@ A weight row of ``k`` values is ``k / 32`` blocks, as stored in the file:
 Value ``j < 16`` of a 4-bit block is the low nibble of byte ``j``, value ``16 + j`` its high
 nibble. Every type is written here as ``w = d * u + c`` per block (``u`` a small integer per
 value, ``d`` and ``c`` per block), which is how the C kernel (``csrc/quant_matmul.c``) treats
-them too (MXFP4's ``u`` is its signed level here, ``c = 0``; the C kernel reads it as
-``level + 12`` with ``c = -12 d``, unsigned for its byte dot products).
+them too (MXFP4's and IQ4_NL's ``u`` is the signed level here, ``c = 0``; the C kernel's
+VNNI bodies read it as ``level + 12`` / ``level + 127`` with ``c = -12 d`` / ``-127 d``,
+unsigned for their byte dot products). Q5_0, Q5_1 and IQ4_NL are the 32-value types
+llama.cpp's quantizer falls back to in a K-quant file for rows that are not a multiple of
+256 values.
 
 In memory the blocks are regrouped by 16 rows (:func:`repack_tiles`; same bytes, same
 bits): a tile is one block column of 16 consecutive rows, the 16 ``d`` (and ``m``) first,
 then the quants as lines of 64 bytes, line ``j`` holding bytes ``4j..4j+3`` of each row's
 quants, so that the C kernel feeds 16 rows from one load (see ``csrc/quant_matmul.c``);
-MXFP4's header is the 16 exponent bytes.
+MXFP4's header is the 16 exponent bytes; a Q5 type's ``qh`` makes the first line.
 Q4_K's and Q5_K's 256-value super-blocks (:mod:`forerun.model.quant.kquant_blocks`) are held
 in the same kind of tile: the 16 ``d``, the 16 ``dmin``, the 12 scale bytes as 12 lines of
 16, then (Q5_K's ``qh`` and) the quants in lines of 64 bytes (:data:`TILED_TYPES`); Q6_K's:
@@ -43,11 +51,17 @@ from __future__ import annotations
 import torch
 
 QK = 32
-Q4_0, Q4_1, Q8_0, MXFP4 = 2, 3, 8, 39  # ggml's type ids (gguf.GGMLQuantizationType values)
-BLOCK_BYTES: dict[int, int] = {Q4_0: 18, Q4_1: 20, Q8_0: 34, MXFP4: 17}
-TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", MXFP4: "MXFP4"}
+# ggml's type ids (gguf.GGMLQuantizationType values)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4 = 2, 3, 6, 7, 8, 20, 39
+BLOCK_BYTES: dict[int, int] = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18,
+                               MXFP4: 17}
+TYPE_NAMES: dict[int, str] = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
+                              Q8_0: "Q8_0", IQ4_NL: "IQ4_NL", MXFP4: "MXFP4"}
 # MXFP4's 16 FP4 E2M1 values, doubled (ggml's kvalues_mxfp4): nibble 8 is -0.
 MXFP4_LEVELS: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# IQ4_NL's 16 levels (ggml's kvalues_iq4nl).
+IQ4NL_LEVELS: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
+                                 69, 89, 113)
 
 
 GROUP = 16  # rows per tile
@@ -79,7 +93,7 @@ def _tile_map(qtype: int) -> torch.Tensor:
             out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
             out[r, 4:16] = 64 + 16 * torch.arange(12) + r
             off, head = 16, 256
-        elif qtype == Q4_1:
+        elif qtype in (Q4_1, Q5_1):
             out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
             off, head = 4, 64
         elif qtype == MXFP4:  # one exponent byte per row
@@ -152,8 +166,9 @@ def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _mxfp4_levels(device: torch.device) -> torch.Tensor:
-    return torch.tensor(MXFP4_LEVELS, dtype=torch.float32, device=device)
+def _levels(qtype: int, device: torch.device) -> torch.Tensor:
+    levels = MXFP4_LEVELS if qtype == MXFP4 else IQ4NL_LEVELS
+    return torch.tensor(levels, dtype=torch.float32, device=device)
 
 
 def unpack_blocks(qtype: int, raw: torch.Tensor, k: int
@@ -162,19 +177,30 @@ def unpack_blocks(qtype: int, raw: torch.Tensor, k: int
     (integers), ``d`` and ``c`` float32 ``[n, k/32]``, with ``w = d * u + c``."""
     n = raw.shape[0]
     blocks = raw.reshape(n, k // QK, BLOCK_BYTES[qtype])
-    if qtype == MXFP4:
-        qs = blocks[..., 1:].to(torch.int64)
-        u = _mxfp4_levels(raw.device)[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]
-        d = e8m0_half(blocks[..., 0])
+    if qtype in (MXFP4, IQ4_NL):
+        off = 1 if qtype == MXFP4 else 2
+        qs = blocks[..., off:].to(torch.int64)
+        u = _levels(qtype, raw.device)[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]
+        d = e8m0_half(blocks[..., 0]) if qtype == MXFP4 else _fp16(blocks[..., 0:2])
         return u, d, torch.zeros_like(d)
     d = _fp16(blocks[..., 0:2])
     if qtype == Q8_0:
         u = blocks[..., 2:].contiguous().view(torch.int8).float()
         return u, d, torch.zeros_like(d)
-    off = 4 if qtype == Q4_1 else 2
+    with_m = qtype in (Q4_1, Q5_1)
+    off = 4 if with_m else 2
+    if qtype in (Q5_0, Q5_1):
+        qh = blocks[..., off:off + 4].to(torch.int64)
+        bits = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+        fifth = (bits.unsqueeze(-1) >> torch.arange(32, device=raw.device)) & 1
+        off += 4
     qs = blocks[..., off:]
-    u = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
-    c = _fp16(blocks[..., 2:4]) if qtype == Q4_1 else -8.0 * d
+    u = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    if qtype in (Q5_0, Q5_1):
+        u = u.to(torch.int64) | fifth << 4
+    u = u.float()
+    c = (_fp16(blocks[..., 2:4]) if with_m
+         else (-16.0 if qtype == Q5_0 else -8.0) * d)
     return u, d, c
 
 

@@ -1,6 +1,7 @@
 """``quantization="gguf"``: linear layers (and a tied output head) that compute with a GGUF
-file's own blocks: Q8_0 / Q4_0 / Q4_1, MXFP4 (gpt-oss's experts), and the K-quants Q2_K /
-Q3_K / Q4_K / Q5_K / Q6_K and IQ4_XS.
+file's own blocks: Q8_0 / Q4_0 / Q4_1, Q5_0 / Q5_1 / IQ4_NL (what K-quant files hold where a
+row is not whole super-blocks), MXFP4 (gpt-oss's experts), and the K-quants Q2_K / Q3_K /
+Q4_K / Q5_K / Q6_K and IQ4_XS.
 
 The blocks are copied out of the file once and never dequantized as a whole: the 32-value
 types, Q4_K and Q5_K regrouped in tiles of 16 rows (the same bytes), the other K-quants as
