@@ -86,9 +86,10 @@ from common import markdown_table, random_prompts, write_json
 from machine_load import check_quiet
 
 VOCAB = 49152
-GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4")
+GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "MXFP4")
 HF_TYPES = ("bf16", "float32", "int8")  # forerun on the HF folder
-ALL_TYPES = ("bf16", "float32", "int8", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4")
+ALL_TYPES = ("bf16", "float32", "int8", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS",
+             "MXFP4")
 ENGINES = ("forerun", "llama.cpp", "vllm")
 COLUMNS = ["shape", "engine, weights", "prompt tok/s", "decode tok/s", "ms/token",
            "floor ratio", "batch tok/s"]
@@ -272,6 +273,10 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {
     "tiny": Shape("tiny", "tiny Llama-3-style (pipeline test)", 256, 2, 4, 2, 512, True, 32.0),
+    # Qwen2.5-0.5B's widths (in Llama's architecture): its 896-value rows are not whole
+    # 256-value super-blocks, so llama.cpp writes the K-quant files' q/k/v/o and gate/up in
+    # their 32-value fallbacks (Q5_0 in Q4_K_M, Q5_1 in Q5_K_M, IQ4_NL in IQ4_XS).
+    "0.5b": Shape("0.5b", "Qwen2.5-0.5B widths", 896, 24, 14, 2, 4864, True, 32.0),
     "1b": Shape("1b", "Llama-3.2-1B", 2048, 16, 32, 8, 8192, True, 32.0),
     "3b": Shape("3b", "Llama-3.2-3B", 3072, 28, 24, 8, 8192, True, 32.0),
     # 16 GB in bf16: too much for forerun's and vLLM's float paths in 24 GiB.
