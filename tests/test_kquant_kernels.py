@@ -109,7 +109,7 @@ def test_largest_quants_against_largest_activations_do_not_overflow(gguf_paths, 
             _check(_run(lin, rows, path, lib), rows, oracle, xd @ wd.T)
 
 
-@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS], ids=lambda t: t.name)
 def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
     """The bodies run in passes of up to 4 activation rows (8 in the 512-bit tile bodies),
     each count its own compiled instance: 2 and 6 rows end on the 2-row one (the Q6_K row

@@ -343,7 +343,8 @@ def test_gguf_quantization_needs_quantized_linears(tmp_path: Path) -> None:
     file = tmp_path / "f32.gguf"
     _write_tiny_gguf(file, GT.F32, tied=True, seed=1)
     source = resolve_model(str(file))
-    with pytest.raises(ModelLoadError, match="quantization='gguf'.*Q8_0, Q4_0, Q4_1 or MXFP4"):
+    with pytest.raises(ModelLoadError,
+                       match="quantization='gguf'.*Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL or MXFP4"):
         load_model(source, load_model_config(source), torch.float32, CPU,
                    quantization="gguf")
 

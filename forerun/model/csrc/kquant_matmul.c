@@ -1,14 +1,12 @@
-/* y = x @ W.T (+ bias) with W in GGUF's 256-value super-blocks (Q2_K, Q3_K and IQ4_XS) as
- * the file's rows: the matmuls of quantization="gguf" for those types (CPU). Q4_K, Q5_K and
- * Q6_K run in row-interleaved tiles (quant_matmul.c).
+/* y = x @ W.T (+ bias) with W in GGUF's 256-value super-blocks (Q2_K, Q3_K) as the file's
+ * rows: the matmuls of quantization="gguf" for those types (CPU). Q4_K, Q5_K, Q6_K and
+ * IQ4_XS run in row-interleaved tiles (quant_matmul.c).
  *
  * The formats, per super-block of 256 values of a weight row (ggml's layouts; byte offsets):
  *   Q2_K  84 B: scales[16] (lo nibble scale, hi nibble min, per 16 values), qs[64], d, dmin
  *               value 128h + 32g + i = bits 2g..2g+1 of qs[32h + i];   w = d sc q - dmin m
  *   Q3_K 110 B: hmask[32], qs[64], scales[12] (6-bit, minus 32, per 16 values), d
  *               low 2 bits as Q2_K; minus 4 unless bit v/32 of hmask[v%32]; w = d sc q
- *   IQ4_XS 136 B: d, scales_h (uint16), scales_l[4] (6-bit scales minus 32 per 32 values),
- *               qs[128]: value 32s + 16p + i = level[nibble p of qs[16s + i]]; w = d sc q
  * forerun/model/quant/kquant_blocks.py reads the same bits in torch (and names the oracle).
  * A row's super-blocks are used as the file stores them: the GEMV walks a row's bytes once,
  * in order.
@@ -46,18 +44,7 @@
 #define MCHUNK 256  /* activation rows whose quantized values stay cache-resident together */
 #define PREFETCH_BLOCKS 8 /* super-blocks ahead of the one being read (AVX2 body) */
 
-enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_IQ4_XS = 23 };
-
-/* IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl). */
-static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                      1,    13,   25,  38,  53,  69,  89,  113};
-
-/* IQ4_XS scale of sub-block s (of 32): nibble s % 2 of scales_l[s / 2], plus bits
- * 2s..2s+1 of the uint16 scales_h times 16, minus 32. */
-static inline int iq4xs_scale(const uint8_t *blk, int s) {
-    const int high = ((blk[2] | blk[3] << 8) >> (2 * s)) & 3;
-    return (((blk[4 + s / 2] >> (4 * (s % 2))) & 0x0f) | (high << 4)) - 32;
-}
+enum { QT_Q2_K = 10, QT_Q3_K = 11 };
 
 
 /* One quantized activation row: q[k]; per 16 values (in lane order, below) the scale s of
@@ -78,7 +65,6 @@ static int64_t kblock_bytes(int64_t type) {
     switch (type) {
     case QT_Q2_K: return 84;
     case QT_Q3_K: return 110;
-    case QT_IQ4_XS: return 136;
     default: return 0;
     }
 }
@@ -155,20 +141,6 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
     /* 16 sub-block bytes in natural order -> lane order. */
     const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     switch (type) {
-    case QT_IQ4_XS: {
-        *d = fp16_to_f32(blk);
-        *dmin = 0.f;
-        /* Per 32 values: lane order 0 2 4 6 1 3 5 7 reads blocks of 32 0 1 2 3 0 1 2 3. */
-        uint64_t lo = 0, hi = 0;
-        for (int s = 0; s < 4; ++s) {
-            lo |= (uint64_t)(uint8_t)iq4xs_scale(blk, s) << (8 * s);
-            hi |= (uint64_t)(uint8_t)iq4xs_scale(blk, s + 4) << (8 * s);
-        }
-        sc[0] = i8_to_ps(_mm_cvtsi64_si128((long long)(lo | lo << 32)));
-        sc[1] = i8_to_ps(_mm_cvtsi64_si128((long long)(hi | hi << 32)));
-        mn[0] = mn[1] = _mm256_setzero_ps();
-        return;
-    }
     case QT_Q3_K: {
         *d = fp16_to_f32(blk + 108);
         *dmin = 0.f;
@@ -211,26 +183,10 @@ static inline float hsum8(__m256 v) {
 }
 
 /* The unsigned quants of one super-block as 8 vectors of 32 values (value 32j + i in
- * vector j, lane i), and the offset to subtract from them (0, 4 or 32); or -1 where they are
- * signed (IQ4_XS's levels), which the dot product then takes with the sign trick. */
+ * vector j, lane i), and the offset to subtract from them (0 or 4). */
 static inline int unpack_u(int64_t type, const uint8_t *blk, __m256i u[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3),
-                  m1 = _mm256_set1_epi8(1);
+    const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
     switch (type) {
-    case QT_IQ4_XS: {
-        /* The 16 levels in both lanes: one byte shuffle maps 32 nibbles to their values. */
-        const __m256i levels =
-            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
-        for (int h = 0; h < 4; ++h) { /* bytes of sub-blocks 2h (low lane) and 2h + 1 */
-            const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * h));
-            const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(l, m4));
-            const __m256i hi = _mm256_shuffle_epi8(
-                levels, _mm256_and_si256(_mm256_srli_epi16(l, 4), m4));
-            u[2 * h] = _mm256_permute2x128_si256(lo, hi, 0x20);
-            u[2 * h + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
-        }
-        return -1;
-    }
     case QT_Q3_K:
     default: /* QT_Q2_K (types are checked before any row is read) */ {
         const uint8_t *qs = blk + (type == QT_Q3_K ? 32 : 16);
@@ -254,14 +210,9 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, __m256i u[8]) {
 }
 #else
 #define ISA 0
-/* The quants of one super-block, value v in u[v], and the offset to subtract (0, 4 or 32;
- * IQ4_XS's levels are signed already: 0). */
+/* The quants of one super-block, value v in u[v], and the offset to subtract (0 or 4). */
 static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
     switch (type) {
-    case QT_IQ4_XS:
-        for (int v = 0; v < QK_K; ++v)
-            u[v] = IQ4_LEVELS[(blk[8 + 16 * (v / 32) + v % 16] >> (4 * ((v % 32) / 16))) & 0x0f];
-        return 0;
     case QT_Q3_K:
     default: /* QT_Q2_K (types are checked before any row is read) */ {
         const uint8_t *qs = blk + (type == QT_Q3_K ? 32 : 16);
@@ -276,8 +227,7 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
 #endif
 
 #if ISA == 0
-/* Sub-block scales and mins of one super-block, per 16 values (IQ4_XS's per-32 ones
- * twice), and d, dmin. */
+/* Sub-block scales and mins of one super-block, per 16 values, and d, dmin. */
 static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16],
                                 int32_t mn[16], float *d, float *dmin) {
     switch (type) {
@@ -286,14 +236,6 @@ static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16]
         *dmin = 0.f;
         scales_q3_k(blk + 96, sc);
         for (int s = 0; s < 16; ++s) mn[s] = 0;
-        return;
-    case QT_IQ4_XS:
-        *d = fp16_to_f32(blk);
-        *dmin = 0.f;
-        for (int s = 0; s < 16; ++s) {
-            sc[s] = iq4xs_scale(blk, s / 2);
-            mn[s] = 0;
-        }
         return;
     default: /* QT_Q2_K */
         *d = fp16_to_f32(blk + 80);
@@ -334,24 +276,15 @@ static inline __attribute__((always_inline)) void row_dot_m(
         __m256 dsc[2], cw[2];
         for (int h = 0; h < 2; ++h) {
             dsc[h] = _mm256_mul_ps(_mm256_set1_ps(d), sc[h]);
-            cw[h] = _mm256_fmadd_ps(_mm256_set1_ps(off > 0 ? (float)off : 0.f), dsc[h],
+            cw[h] = _mm256_fmadd_ps(_mm256_set1_ps((float)off), dsc[h],
                                     _mm256_mul_ps(_mm256_set1_ps(dmin), mn[h]));
         }
-        __m256i w_abs[8];
-        if (off < 0) /* signed levels: |w| against a with w's sign (|w|, |a| <= 127) */
-            for (int j = 0; j < 8; ++j) w_abs[j] = _mm256_sign_epi8(u[j], u[j]);
         for (int64_t i = 0; i < m; ++i) {
             const int8_t *q = a[i].q + b * QK_K;
             const float *s16 = a[i].s16 + b * 16, *ss16 = a[i].ss16 + b * 16;
             __m256i p[8], g[2];
-            if (off < 0) {
-                for (int j = 0; j < 8; ++j)
-                    p[j] = dot32v(w_abs[j], _mm256_sign_epi8(
-                        _mm256_loadu_si256((const __m256i *)(q + 32 * j)), u[j]));
-            } else {
-                for (int j = 0; j < 8; ++j)
-                    p[j] = dot32v(u[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
-            }
+            for (int j = 0; j < 8; ++j)
+                p[j] = dot32v(u[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
             sub_dots(p, g);
             for (int h = 0; h < 2; ++h) {
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g[h]),

@@ -8,7 +8,8 @@
 #include <string.h>
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12,
-       QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_NL = 20, QT_MXFP4 = 39 }; /* ggml's type ids */
+       QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_NL = 20, QT_IQ4_XS = 23,
+       QT_MXFP4 = 39 }; /* ggml's type ids */
 
 /* MXFP4's levels plus 12, by nibble (the doubled E2M1 values 0 .5 1 1.5 2 3 4 6, then their
  * negatives), as the kernels' unsigned u. */
@@ -46,6 +47,7 @@ static inline int64_t block_bytes(int64_t type) {
     case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;
     case QT_Q6_K: return 210;
+    case QT_IQ4_XS: return 136;
     default: return 0;
     }
 }
@@ -58,7 +60,8 @@ static inline int64_t tile_header(int64_t type) {
 
 /* Values per block: 32, or 256 for the K-quants' super-blocks. */
 static inline int64_t block_values(int64_t type) {
-    return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K ? 256 : 32;
+    return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K || type == QT_IQ4_XS ? 256
+                                                                                      : 32;
 }
 
 #if defined(__AVX512F__)

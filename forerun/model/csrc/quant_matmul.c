@@ -765,6 +765,192 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
 #undef KT_CASE
 }
 
+/* ---- IQ4_XS in tiles of 16 rows --------------------------------------------------------
+ * A super-block of 256 values per row: fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes
+ * of nibbles; sub-block s (32 values) has the 6-bit scale ls = nibble s % 2 of scales_l[s / 2]
+ * | bits 2s..2s+1 of scales_h << 4, and w = d (ls - 32) level[nibble], its value j the low
+ * nibble of qs[16 s + j] and value 16 + j the high one (IQ4_NL's block, eight to a
+ * super-block). A tile is one super-block of 16 rows regrouped (16 x 136 bytes): the 16 d,
+ * the 16 scales_h, the 4 scales_l bytes as 4 lines of 16 (byte c of every row), then the
+ * quants as lines of 64 bytes as the 32-value types' tiles hold them, so a sub-block is
+ * IQ4_NL's four lines with a scale per row computed from the header. */
+#define IQ4XS_TILE 2176 /* 16 x 136 */
+#define IQ4XS_QS 128    /* offset of the quant lines in a tile */
+
+#if ISA == 3
+static inline __attribute__((always_inline)) void group_iq4xs_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
+    int64_t k, const int m, float out[MAXM_K][GR]) {
+    const int64_t nb = k / QK;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi32(3);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4NL_U));
+    __m512 acc[MAXM_K];
+    for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * IQ4XS_TILE;
+        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
+            for (int64_t o = 0; o < IQ4XS_TILE; o += 64)
+                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+        const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(t + 32)));
+        for (int s = 0; s < 8; ++s) {
+            const __m512i sl = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(t + 64 + 16 * (s / 2))));
+            const __m512i ls = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32(sl, 4 * (s % 2)), _mm512_set1_epi32(15)),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(sh, 2 * s), three), 4));
+            const __m512 dl =
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+            const __m512 c = _mm512_mul_ps(dl, _mm512_set1_ps(-IQ4NL_OFFSET));
+            __m512i sum[MAXM_K];
+            for (int i = 0; i < m; ++i) sum[i] = _mm512_setzero_si512();
+            for (int j = 0; j < 4; ++j) {
+                const __m512i l =
+                    _mm512_loadu_si512((const void *)(t + IQ4XS_QS + 64 * (4 * s + j)));
+                const __m512i u0 = _mm512_shuffle_epi8(lut, _mm512_and_si512(l, low4));
+                const __m512i u1 =
+                    _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(l, 4), low4));
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * s;
+                    sum[i] = _mm512_dpbusd_epi32(sum[i], u0, _mm512_set1_epi32(act4(a + 4 * j)));
+                    sum[i] = _mm512_dpbusd_epi32(sum[i], u1,
+                                                 _mm512_set1_epi32(act4(a + 16 + 4 * j)));
+                    KEEP_IN_ZMM(sum[i]);
+                }
+            }
+            const int64_t blk = b * 8 + s; /* activation block */
+            for (int i = 0; i < m; ++i) {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
+                                         _mm512_mul_ps(dl, _mm512_set1_ps(sa[i * nb + blk])),
+                                         acc[i]);
+                acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(ssa[i * nb + blk]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+#elif ISA > 0
+/* Eight rows per 256-bit vector (half h of a line: rows 8h..8h+7), IQ4_NL's signed levels
+ * with their sign moved onto the activations, as the 32-value AVX2 body does. */
+static inline __attribute__((always_inline)) void group_iq4xs_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ssa,
+    int64_t k, const int m, float out[MAXM][GR]) {
+    (void)ssa; /* signed levels: no offset term */
+    const int64_t nb = k / QK;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi32(3);
+    const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL_LEVELS));
+#if ISA != 2
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 acc[2][MAXM];
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < m; ++i) acc[h][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * IQ4XS_TILE;
+        for (int64_t o = 0; o < IQ4XS_TILE; o += 64)
+            _mm_prefetch((const char *)(t + IQ4XS_TILE + o), _MM_HINT_T0);
+        for (int s = 0; s < 8; ++s) {
+            __m256i dot[2][MAXM];
+            for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < m; ++i) dot[h][i] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                __m256i alo[MAXM], ahi[MAXM];
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * s;
+                    alo[i] = _mm256_set1_epi32(act4(a + 4 * j));
+                    ahi[i] = _mm256_set1_epi32(act4(a + 16 + 4 * j));
+                }
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i l = _mm256_loadu_si256(
+                        (const __m256i *)(t + IQ4XS_QS + 64 * (4 * s + j) + 32 * h));
+                    const __m256i v0 = _mm256_shuffle_epi8(lv, _mm256_and_si256(l, low4));
+                    const __m256i v1 = _mm256_shuffle_epi8(
+                        lv, _mm256_and_si256(_mm256_srli_epi16(l, 4), low4));
+                    const __m256i u0 = _mm256_sign_epi8(v0, v0), u1 = _mm256_sign_epi8(v1, v1);
+                    for (int i = 0; i < m; ++i)
+                        dot[h][i] = DOT_U8S8(DOT_U8S8(dot[h][i], u0, _mm256_sign_epi8(alo[i], v0)),
+                                             u1, _mm256_sign_epi8(ahi[i], v1));
+                }
+            }
+            const int64_t blk = b * 8 + s;
+            for (int h = 0; h < 2; ++h) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * h)));
+                const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * h)));
+                const __m256i sl = _mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(t + 64 + 16 * (s / 2) + 8 * h)));
+                const __m256i ls = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi32(sl, 4 * (s % 2)), _mm256_set1_epi32(15)),
+                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(sh, 2 * s), three), 4));
+                const __m256 dl = _mm256_mul_ps(
+                    d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+                for (int i = 0; i < m; ++i)
+                    acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][i]),
+                                                _mm256_mul_ps(dl, _mm256_set1_ps(sa[i * nb + blk])),
+                                                acc[h][i]);
+            }
+        }
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[h][i]);
+}
+#else
+static void group_iq4xs_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
+                          const float *sa, const float *ssa, int64_t k, int64_t m,
+                          float out[MAXM][GR]) {
+    (void)ssa;
+    const int64_t nb = k / QK;
+    for (int64_t i = 0; i < m; ++i)
+        for (int r = 0; r < GR; ++r) out[i][r] = 0.f;
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * IQ4XS_TILE;
+        for (int r = 0; r < GR; ++r) {
+            const float d = fp16_to_f32(t + 2 * r);
+            const int sh = t[32 + 2 * r] | t[33 + 2 * r] << 8;
+            for (int s = 0; s < 8; ++s) {
+                const int ls = ((t[64 + 16 * (s / 2) + r] >> (4 * (s % 2))) & 15) |
+                               ((sh >> (2 * s)) & 3) << 4;
+                const float dl = d * (float)(ls - 32);
+                int32_t u[QK];
+                for (int j = 0; j < 16; ++j) {
+                    const uint8_t byte = t[IQ4XS_QS + 64 * (4 * s + j / 4) + 4 * r + j % 4];
+                    u[j] = IQ4NL_LEVELS[byte & 0x0f];
+                    u[j + 16] = IQ4NL_LEVELS[byte >> 4];
+                }
+                for (int64_t i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * s;
+                    int32_t dot = 0;
+                    for (int j = 0; j < QK; ++j) dot += u[j] * a[j];
+                    out[i][r] += dl * sa[i * nb + b * 8 + s] * (float)dot;
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* IQ4_XS tiles of a group against m activation rows, m a constant per vector instance. */
+static void group_iq4xs(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
+                        const float *ssa, int64_t k, int64_t m, float out[MAXM_K][GR]) {
+#if ISA > 0
+    switch (m) {
+    case 1: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 1, out); return;
+    case 2: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 2, out); return;
+    case 3: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 3, out); return;
+#if MAXM_K > 4
+    case 4: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 4, out); return;
+    case 5: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 5, out); return;
+    case 6: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 6, out); return;
+    case 7: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 7, out); return;
+    default: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 8, out); return;
+#else
+    default: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 4, out); return;
+#endif
+    }
+#else
+    group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, m, out);
+#endif
+}
+
 /* ---- Q6_K in tiles of 16 rows, for matmuls of many rows -----------------------------------
  * A super-block of 256 values per row: ql[128], qh[64], 16 int8 scales (one per 16 values),
  * fp16 d; in half f (128 values) value 32g + l (g < 4, l < 32) is nibble g / 2 of
@@ -1342,6 +1528,9 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                     else if (type == QT_Q4_K || type == QT_Q5_K)
                         group_kt(type == QT_Q5_K, tiles, nt, qa + i * k, sa + i * nb,
                                  ssa + i * nb, k, mi, out);
+                    else if (type == QT_IQ4_XS)
+                        group_iq4xs(tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
+                                    out);
                     else
                         group_rows(type, tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
                                    out);
