@@ -75,6 +75,30 @@
 #define MAXM_K MAXM
 #endif
 #define MCHUNK 256  /* rows of x whose quantized activations stay cache-resident together */
+/* CALL(M) for m = M in 1..MAXM_K, M a compile-time constant in each call: the vector bodies
+ * are instantiated per row count so that every row's sums stay in registers (with m a
+ * runtime count they lived on the stack: 1.5x slower). */
+#if MAXM_K > 4
+#define FOR_ROW_COUNT(m, CALL)                                                                   \
+    switch (m) {                                                                                 \
+    case 1: CALL(1); return;                                                                     \
+    case 2: CALL(2); return;                                                                     \
+    case 3: CALL(3); return;                                                                     \
+    case 4: CALL(4); return;                                                                     \
+    case 5: CALL(5); return;                                                                     \
+    case 6: CALL(6); return;                                                                     \
+    case 7: CALL(7); return;                                                                     \
+    default: CALL(8); return;                                                                    \
+    }
+#else
+#define FOR_ROW_COUNT(m, CALL)                                                                   \
+    switch (m) {                                                                                 \
+    case 1: CALL(1); return;                                                                     \
+    case 2: CALL(2); return;                                                                     \
+    case 3: CALL(3); return;                                                                     \
+    default: CALL(4); return;                                                                    \
+    }
+#endif
 #define PREFETCH_TILES 8 /* tiles ahead of the one being read (AVX2 body) */
 /* How far ahead of the tile being read the 512-bit bodies prefetch, into L2: a GEMV of
  * 300 MB streamed from DRAM on 2 cores went 16-18 -> 18-20 GB/s (Q4_0, one row), 8 -> 14
@@ -489,20 +513,9 @@ static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int
 static void group_rows(int64_t type, const uint8_t *tiles, int64_t nb, const int8_t *qa,
                        const float *sa, const float *ssa, int64_t k, int64_t m,
                        float out[MAXM_K][GR]) {
-    switch (m) {
-    case 1: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 1, out); return;
-    case 2: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 2, out); return;
-    case 3: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 3, out); return;
-#if MAXM_K > 4
-    case 4: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
-    case 5: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 5, out); return;
-    case 6: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 6, out); return;
-    case 7: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 7, out); return;
-    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 8, out); return;
-#else
-    default: group_rows_m(type, tiles, nb, qa, sa, ssa, k, 4, out); return;
-#endif
-    }
+#define ROWS_CASE(M) group_rows_m(type, tiles, nb, qa, sa, ssa, k, M, out)
+    FOR_ROW_COUNT(m, ROWS_CASE)
+#undef ROWS_CASE
 }
 #endif
 
@@ -748,20 +761,7 @@ static void group_kt(int q5, const uint8_t *tiles, int64_t nsb, const int8_t *qa
 #define KT_CASE(M)                                                                              \
     (q5 ? group_kt_m(tiles, nsb, qa, sa, ssa, k, M, 1, out)                                     \
         : group_kt_m(tiles, nsb, qa, sa, ssa, k, M, 0, out))
-    switch (m) {
-    case 1: KT_CASE(1); return;
-    case 2: KT_CASE(2); return;
-    case 3: KT_CASE(3); return;
-#if MAXM_K > 4
-    case 4: KT_CASE(4); return;
-    case 5: KT_CASE(5); return;
-    case 6: KT_CASE(6); return;
-    case 7: KT_CASE(7); return;
-    default: KT_CASE(8); return;
-#else
-    default: KT_CASE(4); return;
-#endif
-    }
+    FOR_ROW_COUNT(m, KT_CASE)
 #undef KT_CASE
 }
 
@@ -932,20 +932,9 @@ static void group_iq4xs_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa,
 static void group_iq4xs(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
                         const float *ssa, int64_t k, int64_t m, float out[MAXM_K][GR]) {
 #if ISA > 0
-    switch (m) {
-    case 1: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 1, out); return;
-    case 2: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 2, out); return;
-    case 3: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 3, out); return;
-#if MAXM_K > 4
-    case 4: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 4, out); return;
-    case 5: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 5, out); return;
-    case 6: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 6, out); return;
-    case 7: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 7, out); return;
-    default: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 8, out); return;
-#else
-    default: group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, 4, out); return;
-#endif
-    }
+#define IQ4XS_CASE(M) group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, M, out)
+    FOR_ROW_COUNT(m, IQ4XS_CASE)
+#undef IQ4XS_CASE
 #else
     group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, m, out);
 #endif
