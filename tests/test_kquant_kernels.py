@@ -109,7 +109,8 @@ def test_largest_quants_against_largest_activations_do_not_overflow(gguf_paths, 
             _check(_run(lin, rows, path, lib), rows, oracle, xd @ wd.T)
 
 
-@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS],
+                         ids=lambda t: t.name)
 def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
     """The bodies run in passes of up to 4 activation rows (8 in the 512-bit tile bodies),
     each count its own compiled instance: 2 and 6 rows end on the 2-row one (the Q6_K row
@@ -261,8 +262,8 @@ def test_fused_parts_of_both_families(gguf_paths) -> None:
 
 
 def test_bfloat16_parts_of_both_c_families_with_bias() -> None:
-    """bf16 in and out with a bias, parts run by both C kernels (Q3_K and Q2_K as the file's
-    rows, Q8_0 and Q6_K in tiles): the tiled runs read and write bf16 as it is, the row runs
+    """bf16 in and out with a bias, parts run by both C kernels (Q2_K as the file's rows,
+    Q3_K, Q8_0 and Q6_K in tiles): the tiled runs read and write bf16 as it is, the row run
     through a float copy; every column gets its own bias (the oracle rounds to bf16 once)."""
     rng = np.random.default_rng(9)
     k = 512

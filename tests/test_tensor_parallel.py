@@ -301,7 +301,7 @@ def test_vocab_parallel_embedding_rows_sum_to_the_whole_with_a_padded_vocabulary
     assert torch.equal(sum(s(ids) for s in shards), full[ids])
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "IQ4_NL", "Q4_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "IQ4_NL", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS"])
 def test_gguf_rows_and_columns_of_a_rank_are_those_of_the_dequantized_matrix(qtype: str):
     """A rank's share of a block-backed linear, cut from the blocks: rows (with zero rows
     of padding, as the last rank of a vocabulary gets) and whole blocks of input columns
@@ -328,6 +328,6 @@ def test_gguf_rows_and_columns_of_a_rank_are_those_of_the_dequantized_matrix(qty
     got = dense(lin.take_rows(ids, pad=2))
     assert np.array_equal(got[:5], whole[ids.numpy()]) and not got[5:].any()
     assert np.array_equal(dense(lin.take_columns(256, 512)), whole[:, 256:])
-    block = 256 if qtype in ("Q4_K", "Q6_K", "IQ4_XS") else 32
+    block = 256 if qtype in ("Q3_K", "Q4_K", "Q6_K", "IQ4_XS") else 32
     with pytest.raises(ValueError, match=f"inside its blocks of {block}"):
         lin.take_columns(0, 128 + 16)

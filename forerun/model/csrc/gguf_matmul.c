@@ -3,8 +3,8 @@
  *
  * The weight's parts (qweight.h) are taken in runs of one kernel family, each run computed
  * by its kernel into its own columns of y: the types held in row-interleaved tiles (the
- * 32-value types, Q4_K, Q5_K, Q6_K, IQ4_XS) by quant_matmul.c, the other K-quants (Q2_K,
- * Q3_K) by kquant_matmul.c, which reads the file's rows. A fused
+ * 32-value types, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) by quant_matmul.c, Q2_K by
+ * kquant_matmul.c, which reads the file's rows. A fused
  * projection whose parts come from both families (rare: some files keep one tensor in
  * Q8_0) quantizes the activations once per run. The tiled runs read bfloat16 activations
  * and write bfloat16 results (bias added in float32) as they are; the row runs take a
@@ -17,11 +17,11 @@
 #include "bf16.h"
 #include "qweight.h"
 
-enum { QT_Q2_K = 10, QT_Q3_K = 11 }; /* ggml's type ids */
+enum { QT_Q2_K = 10 }; /* ggml's type id */
 
-/* Whether kquant_matmul.c takes a part of this type (as the file's rows): Q2_K, Q3_K. The
- * rest are held in tiles, quant_matmul.c's. */
-static int is_kquant(int64_t type) { return type == QT_Q2_K || type == QT_Q3_K; }
+/* Whether kquant_matmul.c takes a part of this type (as the file's rows): Q2_K. The rest are
+ * held in tiles, quant_matmul.c's. */
+static int is_kquant(int64_t type) { return type == QT_Q2_K; }
 
 /* y [m, n] = x [m, k] @ W.T (+ bias), run by run; x bfloat16 where x_bf16, y and the bias
  * bfloat16 where y_bf16, else float32. The tiled runs read x and write y as they are; a

@@ -1,12 +1,10 @@
-/* y = x @ W.T (+ bias) with W in GGUF's 256-value super-blocks (Q2_K, Q3_K) as the file's
- * rows: the matmuls of quantization="gguf" for those types (CPU). Q4_K, Q5_K, Q6_K and
- * IQ4_XS run in row-interleaved tiles (quant_matmul.c).
+/* y = x @ W.T (+ bias) with W in GGUF's Q2_K super-blocks (256 values) as the file's rows:
+ * the matmul of quantization="gguf" for that type (CPU). Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS
+ * run in row-interleaved tiles (quant_matmul.c).
  *
  * The formats, per super-block of 256 values of a weight row (ggml's layouts; byte offsets):
  *   Q2_K  84 B: scales[16] (lo nibble scale, hi nibble min, per 16 values), qs[64], d, dmin
  *               value 128h + 32g + i = bits 2g..2g+1 of qs[32h + i];   w = d sc q - dmin m
- *   Q3_K 110 B: hmask[32], qs[64], scales[12] (6-bit, minus 32, per 16 values), d
- *               low 2 bits as Q2_K; minus 4 unless bit v/32 of hmask[v%32]; w = d sc q
  * forerun/model/quant/kquant_blocks.py reads the same bits in torch (and names the oracle).
  * A row's super-blocks are used as the file stores them: the GEMV walks a row's bytes once,
  * in order.
@@ -21,8 +19,8 @@
  *   s_j * d * sum_sub sc * dot(q, a)  -  sum_sub (dmin * m) * (s_j * sum(a)):
  * dot products of small unsigned integers with int8 (maddubs: 32 products per instruction,
  * pairs summed in int16), weighted by the sub-block scales in int32 (madd), one float FMA
- * per 32 values; the mins (and the offset of the signed type Q3_K, read as
- * unsigned q + offset) come from the kept sums, 16 per super-block, once per block and row.
+ * per 32 values; the mins come from the kept sums, 16 per super-block, once per block and
+ * row.
  *
  * Bodies by the build's -march: AVX2 (with FMA and F16C; its byte dot products with VNNI
  * where the CPU has AVX512-VNNI or AVX-VNNI), or plain C; kquant_matmul_isa() says which.
@@ -44,7 +42,7 @@
 #define MCHUNK 256  /* activation rows whose quantized values stay cache-resident together */
 #define PREFETCH_BLOCKS 8 /* super-blocks ahead of the one being read (AVX2 body) */
 
-enum { QT_Q2_K = 10, QT_Q3_K = 11 };
+enum { QT_Q2_K = 10 };
 
 
 /* One quantized activation row: q[k]; per 16 values (in lane order, below) the scale s of
@@ -64,7 +62,6 @@ typedef struct {
 static int64_t kblock_bytes(int64_t type) {
     switch (type) {
     case QT_Q2_K: return 84;
-    case QT_Q3_K: return 110;
     default: return 0;
     }
 }
@@ -87,17 +84,6 @@ static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *s16, flo
             s16[at] = d;
             ss16[at] = d * (float)sum;
         }
-    }
-}
-
-/* ---- scales ------------------------------------------------------------------------------ */
-/* Q3_K: 16 six-bit scales minus 32 (scale 8p + j: nibble p of byte j; scale 4t + j: its top
- * two bits are bits 2t..2t+1 of byte 8 + j). */
-static inline void scales_q3_k(const uint8_t *p, int32_t sc[16]) {
-    for (int s = 0; s < 16; ++s) {
-        const int low = (p[s % 8] >> (4 * (s / 8))) & 0x0f;
-        const int high = (p[8 + s % 4] >> (2 * (s / 4))) & 3;
-        sc[s] = (low | (high << 4)) - 32;
     }
 }
 
@@ -140,39 +126,16 @@ static inline void block_factors(int64_t type, const uint8_t *blk, __m256 sc[2],
                                  float *d, float *dmin) {
     /* 16 sub-block bytes in natural order -> lane order. */
     const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-    switch (type) {
-    case QT_Q3_K: {
-        *d = fp16_to_f32(blk + 108);
-        *dmin = 0.f;
-        /* scales_q3_k's bit layout four scales at a time: low nibbles from words 0-1,
-         * top two bits from word 2, then minus 32. */
-        uint32_t w[3];
-        memcpy(w, blk + 96, sizeof w);
-        const uint32_t low4 = 0x0f0f0f0fu, two = 0x03030303u;
-        const __m128i raw = _mm_setr_epi32(
-            (int)((w[0] & low4) | ((w[2] & two) << 4)),
-            (int)((w[1] & low4) | (((w[2] >> 2) & two) << 4)),
-            (int)(((w[0] >> 4) & low4) | (((w[2] >> 4) & two) << 4)),
-            (int)(((w[1] >> 4) & low4) | (((w[2] >> 6) & two) << 4)));
-        const __m128i v = _mm_shuffle_epi8(_mm_sub_epi8(raw, _mm_set1_epi8(32)), order);
-        sc[0] = i8_to_ps(v);
-        sc[1] = i8_to_ps(_mm_srli_si128(v, 8));
-        mn[0] = mn[1] = _mm256_setzero_ps();
-        return;
-    }
-    default: { /* QT_Q2_K */
-        *d = fp16_to_f32(blk + 80);
-        *dmin = fp16_to_f32(blk + 82);
-        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order);
-        const __m128i s4 = _mm_and_si128(v, _mm_set1_epi8(0x0f));
-        const __m128i m4 = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
-        sc[0] = i8_to_ps(s4); /* 0..15: as signed bytes too */
-        sc[1] = i8_to_ps(_mm_srli_si128(s4, 8));
-        mn[0] = i8_to_ps(m4);
-        mn[1] = i8_to_ps(_mm_srli_si128(m4, 8));
-        return;
-    }
-    }
+    (void)type; /* Q2_K: the only type here */
+    *d = fp16_to_f32(blk + 80);
+    *dmin = fp16_to_f32(blk + 82);
+    const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order);
+    const __m128i s4 = _mm_and_si128(v, _mm_set1_epi8(0x0f));
+    const __m128i m4 = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
+    sc[0] = i8_to_ps(s4); /* 0..15: as signed bytes too */
+    sc[1] = i8_to_ps(_mm_srli_si128(s4, 8));
+    mn[0] = i8_to_ps(m4);
+    mn[1] = i8_to_ps(_mm_srli_si128(m4, 8));
 }
 
 static inline float hsum8(__m256 v) {
@@ -182,47 +145,29 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The unsigned quants of one super-block as 8 vectors of 32 values (value 32j + i in
- * vector j, lane i), and the offset to subtract from them (0 or 4). */
+/* The quants of one Q2_K super-block as 8 vectors of 32 values (value 32j + i in vector j,
+ * lane i), and the offset to subtract from them (0). */
 static inline int unpack_u(int64_t type, const uint8_t *blk, __m256i u[8]) {
-    const __m256i m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
-    switch (type) {
-    case QT_Q3_K:
-    default: /* QT_Q2_K (types are checked before any row is read) */ {
-        const uint8_t *qs = blk + (type == QT_Q3_K ? 32 : 16);
-        for (int h = 0; h < 2; ++h) {
-            const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
-            u[4 * h] = _mm256_and_si256(l, m2);
-            u[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 2), m2);
-            u[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m2);
-            u[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(l, 6), m2);
-        }
-        if (type == QT_Q2_K) return 0;
-        /* Q3_K: q = low + 4 * hbit - 4, hbit = bit j of hmask[i] for value 32j + i. */
-        __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
-        for (int j = 0; j < 8; ++j) {
-            u[j] = _mm256_or_si256(u[j], _mm256_slli_epi16(_mm256_and_si256(hm, m1), 2));
-            hm = _mm256_srli_epi16(hm, 1);
-        }
-        return 4;
+    (void)type;
+    const __m256i m2 = _mm256_set1_epi8(3);
+    const uint8_t *qs = blk + 16;
+    for (int h = 0; h < 2; ++h) {
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+        u[4 * h] = _mm256_and_si256(l, m2);
+        u[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(l, 2), m2);
+        u[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m2);
+        u[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(l, 6), m2);
     }
-    }
+    return 0;
 }
 #else
 #define ISA 0
-/* The quants of one super-block, value v in u[v], and the offset to subtract (0 or 4). */
+/* The quants of one Q2_K super-block, value v in u[v], and the offset to subtract (0). */
 static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
-    switch (type) {
-    case QT_Q3_K:
-    default: /* QT_Q2_K (types are checked before any row is read) */ {
-        const uint8_t *qs = blk + (type == QT_Q3_K ? 32 : 16);
-        for (int v = 0; v < QK_K; ++v) {
-            u[v] = (qs[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
-            if (type == QT_Q3_K) u[v] |= ((blk[v % 32] >> (v / 32)) & 1) << 2;
-        }
-        return type == QT_Q3_K ? 4 : 0;
-    }
-    }
+    (void)type;
+    const uint8_t *qs = blk + 16;
+    for (int v = 0; v < QK_K; ++v) u[v] = (qs[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
+    return 0;
 }
 #endif
 
@@ -230,21 +175,12 @@ static inline int unpack_u(int64_t type, const uint8_t *blk, int16_t u[QK_K]) {
 /* Sub-block scales and mins of one super-block, per 16 values, and d, dmin. */
 static inline void block_scales(int64_t type, const uint8_t *blk, int32_t sc[16],
                                 int32_t mn[16], float *d, float *dmin) {
-    switch (type) {
-    case QT_Q3_K:
-        *d = fp16_to_f32(blk + 108);
-        *dmin = 0.f;
-        scales_q3_k(blk + 96, sc);
-        for (int s = 0; s < 16; ++s) mn[s] = 0;
-        return;
-    default: /* QT_Q2_K */
-        *d = fp16_to_f32(blk + 80);
-        *dmin = fp16_to_f32(blk + 82);
-        for (int s = 0; s < 16; ++s) {
-            sc[s] = blk[s] & 0x0f;
-            mn[s] = blk[s] >> 4;
-        }
-        return;
+    (void)type; /* Q2_K: the only type here */
+    *d = fp16_to_f32(blk + 80);
+    *dmin = fp16_to_f32(blk + 82);
+    for (int s = 0; s < 16; ++s) {
+        sc[s] = blk[s] & 0x0f;
+        mn[s] = blk[s] >> 4;
     }
 }
 

@@ -839,9 +839,6 @@ static inline __attribute__((always_inline)) void group_iq4xs_m(
     const int64_t nb = k / QK;
     const __m256i low4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi32(3);
     const __m256i lv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL_LEVELS));
-#if ISA != 2
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     __m256 acc[2][MAXM];
     for (int h = 0; h < 2; ++h)
         for (int i = 0; i < m; ++i) acc[h][i] = _mm256_setzero_ps();
@@ -937,6 +934,207 @@ static void group_iq4xs(const uint8_t *tiles, int64_t nsb, const int8_t *qa, con
 #undef IQ4XS_CASE
 #else
     group_iq4xs_m(tiles, nsb, qa, sa, ssa, k, m, out);
+#endif
+}
+
+/* ---- Q3_K in tiles of 16 rows ----------------------------------------------------------
+ * A super-block of 256 values per row: hmask[32], qs[64], 12 bytes of 6-bit scales (one per
+ * 16 values, minus 32), fp16 d; value 128h + 32g + i (h < 2, g < 4, i < 32) is bits 2g..2g+1
+ * of qs[32h + i] plus 4 * bit (4h + g) of hmask[i], minus 4; w = d sc q. A tile (16 x 110
+ * bytes, regrouped) holds the 16 d, the 12 scale bytes as 12 lines of 16 (byte c of every
+ * row), then hmask and qs as lines of 64 bytes (bytes 4l..4l+3 of each row). As for Q6_K, the
+ * byte products of 16 values are weighted by their integer scale, one float FMA per block of
+ * 32, and the offset 4 is taken back from the activations' sums per 16. */
+#define Q3T_BYTES 1760 /* 16 x 110 */
+#define Q3T_SC 32
+#define Q3T_HM 224
+#define Q3T_QS 736
+
+#if ISA == 3
+/* The 16 rows' scale of sub-block c (of 16 values), minus 32, from the tile's scale lines. */
+static inline __m512i q3_scale16(const uint8_t *t, int c) {
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + Q3T_SC + 16 * (c % 8))));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + Q3T_SC + 16 * (8 + c % 4))));
+    const __m512i low4 = c < 8 ? _mm512_and_si512(lo, _mm512_set1_epi32(15)) : _mm512_srli_epi32(lo, 4);
+    const __m512i high2 = _mm512_and_si512(_mm512_srli_epi32(hi, 2 * (c / 4)), _mm512_set1_epi32(3));
+    return _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
+}
+
+static inline __attribute__((always_inline)) void group_q3k_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
+    int64_t k, const int m, float out[MAXM_K][GR]) {
+    const int64_t nb = k / QK;
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    __m512 acc[MAXM_K], fix[MAXM_K];
+    for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * Q3T_BYTES;
+        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
+            for (int64_t o = 0; o < Q3T_BYTES; o += 64)
+                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+        __m512i sc[16];
+        __m512 corr[MAXM_K];
+        for (int i = 0; i < m; ++i) corr[i] = _mm512_setzero_ps();
+        for (int c = 0; c < 16; ++c) {
+            sc[c] = q3_scale16(t, c);
+            const __m512 scf = _mm512_cvtepi32_ps(sc[c]);
+            for (int i = 0; i < m; ++i)
+                corr[i] = _mm512_fmadd_ps(scf, _mm512_set1_ps(ss16[2 * i * nb + 16 * b + c]),
+                                          corr[i]);
+        }
+        for (int i = 0; i < m; ++i) fix[i] = _mm512_fmadd_ps(corr[i], d, fix[i]);
+        for (int j = 0; j < 8; ++j) { /* block of 32: half h, group g */
+            const int h = j / 4, g = j % 4;
+            __m512i dot[MAXM_K];
+            for (int i = 0; i < m; ++i) dot[i] = _mm512_setzero_si512();
+            for (int hs = 0; hs < 2; ++hs) { /* 16 values: 4 lines, one scale */
+                __m512i u[4];
+                for (int e = 0; e < 4; ++e) {
+                    const int l = 4 * hs + e; /* values 4l..4l+3 of the block */
+                    const __m512i q = _mm512_loadu_si512((const void *)(t + Q3T_QS + 64 * (8 * h + l)));
+                    const __m512i hm = _mm512_loadu_si512((const void *)(t + Q3T_HM + 64 * l));
+                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(q, 2 * g), three);
+                    const __m512i hb = j <= 2 ? _mm512_slli_epi16(hm, 2 - j)
+                                              : _mm512_srli_epi16(hm, j - 2);
+                    u[e] = _mm512_or_si512(lo, _mm512_and_si512(hb, four));
+                }
+                const __m512i scale = sc[2 * j + hs];
+                for (int i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * hs;
+                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0],
+                                                    _mm512_set1_epi32(act4(a)));
+                    p = _mm512_dpbusd_epi32(p, u[1], _mm512_set1_epi32(act4(a + 4)));
+                    p = _mm512_dpbusd_epi32(p, u[2], _mm512_set1_epi32(act4(a + 8)));
+                    p = _mm512_dpbusd_epi32(p, u[3], _mm512_set1_epi32(act4(a + 12)));
+                    dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, scale));
+                    KEEP_IN_ZMM(dot[i]);
+                }
+            }
+            for (int i = 0; i < m; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                         _mm512_mul_ps(d, _mm512_set1_ps(sa[i * nb + b * 8 + j])),
+                                         acc[i]);
+        }
+    }
+    for (int i = 0; i < m; ++i)
+        _mm512_storeu_ps(out[i], _mm512_fnmadd_ps(fix[i], _mm512_set1_ps(4.f), acc[i]));
+}
+#elif ISA > 0
+/* q3_scale16 for the 8 rows of half hf. */
+static inline __m256i q3_scale8(const uint8_t *t, int c, int hf) {
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(t + Q3T_SC + 16 * (c % 8) + 8 * hf)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(t + Q3T_SC + 16 * (8 + c % 4) + 8 * hf)));
+    const __m256i low4 = c < 8 ? _mm256_and_si256(lo, _mm256_set1_epi32(15)) : _mm256_srli_epi32(lo, 4);
+    const __m256i high2 = _mm256_and_si256(_mm256_srli_epi32(hi, 2 * (c / 4)), _mm256_set1_epi32(3));
+    return _mm256_sub_epi32(_mm256_or_si256(low4, _mm256_slli_epi32(high2, 4)), _mm256_set1_epi32(32));
+}
+
+/* Eight rows per 256-bit vector, one half of the 16 rows per pass (the second finds the tile
+ * in cache). */
+static inline __attribute__((always_inline)) void group_q3k_m(
+    const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
+    int64_t k, const int m, float out[MAXM][GR]) {
+    const int64_t nb = k / QK;
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    for (int hf = 0; hf < 2; ++hf) {
+        __m256 acc[MAXM], fix[MAXM];
+        for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nsb; ++b) {
+            const uint8_t *t = tiles + b * Q3T_BYTES;
+            if (hf == 0)
+                for (int64_t o = 0; o < Q3T_BYTES; o += 64)
+                    _mm_prefetch((const char *)(t + Q3T_BYTES + o), _MM_HINT_T0);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * hf)));
+            __m256i sc[16];
+            __m256 corr[MAXM];
+            for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
+            for (int c = 0; c < 16; ++c) {
+                sc[c] = q3_scale8(t, c, hf);
+                const __m256 scf = _mm256_cvtepi32_ps(sc[c]);
+                for (int i = 0; i < m; ++i)
+                    corr[i] = _mm256_fmadd_ps(scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]),
+                                              corr[i]);
+            }
+            for (int i = 0; i < m; ++i) fix[i] = _mm256_fmadd_ps(corr[i], d, fix[i]);
+            for (int j = 0; j < 8; ++j) {
+                const int h = j / 4, g = j % 4;
+                __m256i dot[MAXM];
+                for (int i = 0; i < m; ++i) dot[i] = _mm256_setzero_si256();
+                for (int hs = 0; hs < 2; ++hs) {
+                    __m256i u[4];
+                    for (int e = 0; e < 4; ++e) {
+                        const int l = 4 * hs + e;
+                        const __m256i q = _mm256_loadu_si256(
+                            (const __m256i *)(t + Q3T_QS + 64 * (8 * h + l) + 32 * hf));
+                        const __m256i hm =
+                            _mm256_loadu_si256((const __m256i *)(t + Q3T_HM + 64 * l + 32 * hf));
+                        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), three);
+                        const __m256i hb = j <= 2 ? _mm256_slli_epi16(hm, 2 - j)
+                                                  : _mm256_srli_epi16(hm, j - 2);
+                        u[e] = _mm256_or_si256(lo, _mm256_and_si256(hb, four));
+                    }
+                    const __m256i scale = sc[2 * j + hs];
+                    for (int i = 0; i < m; ++i) {
+                        const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * hs;
+                        __m256i p = _mm256_setzero_si256();
+                        for (int e = 0; e < 4; ++e)
+                            p = DOT_U8S8(p, u[e], _mm256_set1_epi32(act4(a + 4 * e)));
+                        dot[i] = _mm256_add_epi32(dot[i], _mm256_mullo_epi32(p, scale));
+                    }
+                }
+                for (int i = 0; i < m; ++i)
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]),
+                                             _mm256_mul_ps(d, _mm256_set1_ps(sa[i * nb + b * 8 + j])),
+                                             acc[i]);
+            }
+        }
+        for (int i = 0; i < m; ++i)
+            _mm256_storeu_ps(out[i] + 8 * hf, _mm256_fnmadd_ps(fix[i], _mm256_set1_ps(4.f), acc[i]));
+    }
+}
+#else
+static void group_q3k_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
+                        const float *ss16, int64_t k, int64_t m, float out[MAXM][GR]) {
+    const int64_t nb = k / QK;
+    for (int64_t i = 0; i < m; ++i)
+        for (int r = 0; r < GR; ++r) out[i][r] = 0.f;
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t *t = tiles + b * Q3T_BYTES;
+        for (int r = 0; r < GR; ++r) {
+            const float d = fp16_to_f32(t + 2 * r);
+            for (int c = 0; c < 16; ++c) { /* 16 values: 128h + 32g + 16 (c % 2) + i */
+                const uint8_t s_lo = t[Q3T_SC + 16 * (c % 8) + r];
+                const uint8_t s_hi = t[Q3T_SC + 16 * (8 + c % 4) + r];
+                const int sc = ((c < 8 ? s_lo & 15 : s_lo >> 4) | ((s_hi >> (2 * (c / 4))) & 3) << 4) - 32;
+                const int j = c / 2, h = j / 4, g = j % 4;
+                for (int64_t i = 0; i < m; ++i) {
+                    const int8_t *a = qa + i * k + b * 256 + 16 * c;
+                    int32_t dot = 0;
+                    for (int v = 0; v < 16; ++v) {
+                        const int x = 16 * (c % 2) + v; /* i of the block */
+                        const uint8_t qb = t[Q3T_QS + 64 * (8 * h + x / 4) + 4 * r + x % 4];
+                        const uint8_t hb = t[Q3T_HM + 64 * (x / 4) + 4 * r + x % 4];
+                        const int q = ((qb >> (2 * g)) & 3) | ((hb >> j) & 1) << 2;
+                        dot += (q - 4) * a[v];
+                    }
+                    out[i][r] += d * (float)sc * sa[i * nb + b * 8 + j] * (float)dot;
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* Q3_K tiles of a group against m activation rows, m a constant per vector instance. */
+static void group_q3k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
+                      const float *ss16, int64_t k, int64_t m, float out[MAXM_K][GR]) {
+#if ISA > 0
+#define Q3K_CASE(M) group_q3k_m(tiles, nsb, qa, sa, ss16, k, M, out)
+    FOR_ROW_COUNT(m, Q3K_CASE)
+#undef Q3K_CASE
+#else
+    group_q3k_m(tiles, nsb, qa, sa, ss16, k, m, out);
 #endif
 }
 
@@ -1425,14 +1623,17 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
         if (rc != -2) return rc;
     }
     const int64_t nb = k / QK;
-    int with16 = 0; /* Q6_K's sums per 16, only where a part needs them */
-    for (int64_t p = 0; p < w->nparts; ++p) with16 |= w->type[p] == QT_Q6_K;
+    int with16 = 0, q6 = 0; /* Q6_K's and Q3_K's sums per 16, only where a part needs them */
+    for (int64_t p = 0; p < w->nparts; ++p) {
+        q6 |= w->type[p] == QT_Q6_K;
+        with16 |= w->type[p] == QT_Q6_K || w->type[p] == QT_Q3_K;
+    }
     /* One allocation: quantized rows, [the same plus 128 for the expanded Q6_K body,] then
      * scales and scaled sums (per 32, [per 16]). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
     size_t ubytes = 0;
 #ifdef KTILE_512 /* its expanded Q6_K body multiplies the activations plus 128 */
-    if (with16 && m >= ktile_min_rows(QT_Q6_K)) ubytes = qbytes;
+    if (q6 && m >= ktile_min_rows(QT_Q6_K)) ubytes = qbytes;
 #endif
     char *scratch = thread_scratch(qbytes + ubytes +
                                    sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
@@ -1520,6 +1721,9 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                     else if (type == QT_IQ4_XS)
                         group_iq4xs(tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
                                     out);
+                    else if (type == QT_Q3_K)
+                        group_q3k(tiles, nt, qa + i * k, sa + i * nb, ss16 + 2 * i * nb, k, mi,
+                                  out);
                     else
                         group_rows(type, tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
                                    out);

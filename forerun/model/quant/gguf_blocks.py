@@ -35,7 +35,9 @@ in the same kind of tile: the 16 ``d``, the 16 ``dmin``, the 12 scale bytes as 1
 16, then (Q5_K's ``qh`` and) the quants in lines of 64 bytes (:data:`TILED_TYPES`); Q6_K's:
 the 16 ``d``, its 16 scale bytes as 16 lines of 16, then ``ql`` and ``qh`` in lines of 64;
 IQ4_XS's: the 16 ``d``, the 16 ``scales_h``, its 4 ``scales_l`` bytes as 4 lines of 16, then
-the quants in lines of 64 (each 32 values of a super-block then read as an IQ4_NL block).
+the quants in lines of 64 (each 32 values of a super-block then read as an IQ4_NL block);
+Q3_K's: the 16 ``d``, its 12 scale bytes as 12 lines of 16, then ``hmask`` and ``qs`` in lines
+of 64.
 
 Activations are quantized per row and block of 32 to int8 with the scale
 ``s = max|x| / 127`` (rounded to nearest even), as llama.cpp does for its q8 activations. We
@@ -67,11 +69,15 @@ IQ4NL_LEVELS: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13
 
 
 GROUP = 16  # rows per tile
-Q4_K, Q5_K, Q6_K, IQ4_XS = 12, 13, 14, 23
+Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 11, 12, 13, 14, 23
 # The types held in tiles: (bytes, values) of their blocks.
 TILED_TYPES: dict[int, tuple[int, int]] = {**{t: (b, QK) for t, b in BLOCK_BYTES.items()},
-                                           Q4_K: (144, 256), Q5_K: (176, 256),
-                                           Q6_K: (210, 256), IQ4_XS: (136, 256)}
+                                           Q3_K: (110, 256), Q4_K: (144, 256),
+                                           Q5_K: (176, 256), Q6_K: (210, 256),
+                                           IQ4_XS: (136, 256)}
+# Q3_K's tile (csrc/quant_matmul.c): the 16 d, the 12 scale bytes as 12 lines of 16, then
+# hmask and qs as lines of 64 bytes.
+_Q3T_HM, _Q3T_QS = 224, 736
 # Q6_K's tile (csrc/quant_matmul.c): the 16 d, the 16 scale bytes as 16 lines of 16, then ql
 # and qh as lines of 64 bytes.
 _Q6T_QL, _Q6T_QH = 288, 2336
@@ -90,6 +96,14 @@ def _tile_map(qtype: int) -> torch.Tensor:
             out[r, 128:192] = _Q6T_QH + 64 * (q // 4) + 4 * r + q % 4
             out[r, 192:208] = 32 + 16 * torch.arange(16) + r
             out[r, 208:210] = torch.tensor([2 * r, 2 * r + 1])
+            continue
+        if qtype == Q3_K:  # hmask[32], qs[64], 12 scale bytes, d (the file's order)
+            q = torch.arange(32)
+            out[r, 0:32] = _Q3T_HM + 64 * (q // 4) + 4 * r + q % 4
+            q = torch.arange(64)
+            out[r, 32:96] = _Q3T_QS + 64 * (q // 4) + 4 * r + q % 4
+            out[r, 96:108] = 32 + 16 * torch.arange(12) + r
+            out[r, 108:110] = torch.tensor([2 * r, 2 * r + 1])
             continue
         if qtype == IQ4_XS:  # d, scales_h, 4 bytes scales_l, 128 of quants
             out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])

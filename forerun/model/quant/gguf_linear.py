@@ -4,11 +4,11 @@ row is not whole super-blocks), MXFP4 (gpt-oss's experts), and the K-quants Q2_K
 Q4_K / Q5_K / Q6_K and IQ4_XS.
 
 The blocks are copied out of the file once and never dequantized as a whole: the 32-value
-types, Q4_K, Q5_K, Q6_K and IQ4_XS regrouped in tiles of 16 rows (the same bytes), Q2_K and
-Q3_K as they are. The C kernels read them for every matmul through one entry point
+types, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS regrouped in tiles of 16 rows (the same bytes),
+Q2_K as it is. The C kernels read them for every matmul through one entry point
 (``csrc/gguf_matmul.c``): ``csrc/quant_matmul.c`` the tiles, with activations quantized per
-32 (why: :mod:`forerun.model.quant.gguf_blocks`), and ``csrc/kquant_matmul.c`` Q2_K and
-Q3_K, with activations quantized per 32 as well
+32 (why: :mod:`forerun.model.quant.gguf_blocks`), and ``csrc/kquant_matmul.c`` Q2_K, with
+activations quantized per 32 as well
 (:mod:`forerun.model.quant.kquant_blocks`). In tiles a row's dot product needs no horizontal
 sum and one load feeds 16 rows, which made Q4_K's matmul 1.2x faster for one token and 2x
 for 64 (2048 x 8192 on 2 cores). Where the CPU has AMX, a bfloat16 matmul of many rows (a
@@ -78,8 +78,8 @@ class GGUFLinear(nn.Module):
     ``parts`` are ``(ggml type id, uint8 rows [rows_i, row_bytes_i])`` stacked along the
     output dimension: a fused projection (q/k/v, gate/up) whose checkpoint tensors differ in
     type keeps each as stored. ``bias`` stays a float parameter (loaded like any other).
-    The 32-value types, Q4_K, Q5_K, Q6_K and IQ4_XS are held regrouped by 16 rows
-    (:func:`repack_tiles`), Q2_K and Q3_K as the file's rows.
+    The 32-value types, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS are held regrouped by 16 rows
+    (:func:`repack_tiles`), Q2_K as the file's rows.
     """
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,
