@@ -622,11 +622,10 @@ def small_matmul_has_amx() -> bool:
     return _amx
 
 
-# ---- GGUF blocks (csrc/gguf_matmul.c, quant_matmul.c, kquant_matmul.c) -------------------
+# ---- GGUF blocks (csrc/gguf_matmul.c, quant_matmul.c) ------------------------------------
 QUANT_MAX_PARTS = 4  # QW_MAXPARTS in csrc/qweight.h
 # The files of the GGUF matmul, which a test may build alone for another instruction set.
-GGUF_SOURCES = ("gguf_matmul.c", "quant_matmul.c", "quant_amx.c", "ktile_gemm.c",
-                "kquant_matmul.c")
+GGUF_SOURCES = ("gguf_matmul.c", "quant_matmul.c", "quant_amx.c", "ktile_gemm.c")
 
 
 class QWeightDesc(ctypes.Structure):
@@ -651,9 +650,8 @@ def bind_gguf_kernels(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, f"int8_dequant_{suffix}")
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64]
-    for name in ("quant_matmul_isa", "kquant_matmul_isa"):
-        getattr(lib, name).restype = ctypes.c_int
-        getattr(lib, name).argtypes = []
+    lib.quant_matmul_isa.restype = ctypes.c_int
+    lib.quant_matmul_isa.argtypes = []
     lib.quant_matmul_amx_set.restype = ctypes.c_int
     lib.quant_matmul_amx_set.argtypes = [ctypes.c_int]
 
@@ -696,20 +694,11 @@ _ISA_NAMES = {3: "avx512vnni", 2: "vnni", 1: "avx2"}
 
 
 def quant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the tile kernel (csrc/quant_matmul.c: the 32-value types, Q4_K, Q5_K and
-    Q6_K) was built with: ``avx512vnni``, ``vnni`` (256-bit: AVX-VNNI),
-    ``avx2`` or ``c``."""
+    """Which body the tile kernel (csrc/quant_matmul.c: every native GGUF type) was built
+    with: ``avx512vnni``, ``vnni`` (256-bit: AVX-VNNI), ``avx2`` or ``c``."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
     return _ISA_NAMES.get(lib.quant_matmul_isa(), "c")
-
-
-def kquant_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the K-quant kernel was built with: ``avx512vnni`` / ``vnni`` (the AVX2
-    body with VNNI byte dot products), ``avx2`` or ``c``."""
-    lib = lib or kernel_library()
-    assert lib is not None, "call supports() first"
-    return _ISA_NAMES.get(lib.kquant_matmul_isa(), "c")
 
 
 def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q3_K = 11, QT_Q4_K = 12,
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q2_K = 10,
+       QT_Q3_K = 11, QT_Q4_K = 12,
        QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_NL = 20, QT_IQ4_XS = 23,
        QT_MXFP4 = 39 }; /* ggml's type ids */
 
@@ -44,6 +45,7 @@ static inline int64_t block_bytes(int64_t type) {
     case QT_IQ4_NL: return 18;
     case QT_Q8_0: return 34;
     case QT_MXFP4: return 17;
+    case QT_Q2_K: return 84;
     case QT_Q3_K: return 110;
     case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;
@@ -61,8 +63,8 @@ static inline int64_t tile_header(int64_t type) {
 
 /* Values per block: 32, or 256 for the K-quants' super-blocks. */
 static inline int64_t block_values(int64_t type) {
-    return type == QT_Q3_K || type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K ||
-                   type == QT_IQ4_XS
+    return type == QT_Q2_K || type == QT_Q3_K || type == QT_Q4_K || type == QT_Q5_K ||
+                   type == QT_Q6_K || type == QT_IQ4_XS
                ? 256
                : 32;
 }

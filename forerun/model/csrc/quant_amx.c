@@ -265,11 +265,11 @@ int quant_matmul_amx(const uint16_t *x, const qweight_t *w, void *y, int y_bf16,
     int64_t groups = 0;
     int all_k = 1;
     for (int64_t p = 0; p < w->nparts; ++p) {
-        /* Q5_0, Q5_1, IQ4_NL, Q3_K and IQ4_XS have no dequantizing body here: the integer
-         * bodies take them. */
+        /* Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS have no dequantizing body here: the
+         * integer bodies take them. */
         const int64_t t = w->type[p];
-        if (!block_bytes(t) || t == QT_Q5_0 || t == QT_Q5_1 || t == QT_IQ4_NL || t == QT_Q3_K ||
-            t == QT_IQ4_XS)
+        if (!block_bytes(t) || t == QT_Q5_0 || t == QT_Q5_1 || t == QT_IQ4_NL || t == QT_Q2_K ||
+            t == QT_Q3_K || t == QT_IQ4_XS)
             return -2;
         if (w->rows[p] < 1 || k % block_values(t)) return -2;
         all_k &= block_values(w->type[p]) == 256;

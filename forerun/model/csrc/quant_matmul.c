@@ -937,53 +937,74 @@ static void group_iq4xs(const uint8_t *tiles, int64_t nsb, const int8_t *qa, con
 #endif
 }
 
-/* ---- Q3_K in tiles of 16 rows ----------------------------------------------------------
- * A super-block of 256 values per row: hmask[32], qs[64], 12 bytes of 6-bit scales (one per
- * 16 values, minus 32), fp16 d; value 128h + 32g + i (h < 2, g < 4, i < 32) is bits 2g..2g+1
- * of qs[32h + i] plus 4 * bit (4h + g) of hmask[i], minus 4; w = d sc q. A tile (16 x 110
- * bytes, regrouped) holds the 16 d, the 12 scale bytes as 12 lines of 16 (byte c of every
- * row), then hmask and qs as lines of 64 bytes (bytes 4l..4l+3 of each row). As for Q6_K, the
- * byte products of 16 values are weighted by their integer scale, one float FMA per block of
- * 32, and the offset 4 is taken back from the activations' sums per 16. */
+/* ---- Q3_K and Q2_K in tiles of 16 rows ------------------------------------------------
+ * Super-blocks of 256 values per row. Q3_K: hmask[32], qs[64], 12 bytes of 6-bit scales
+ * (one per 16 values, minus 32), fp16 d; value 128h + 32g + i (h < 2, g < 4, i < 32) is bits
+ * 2g..2g+1 of qs[32h + i] plus 4 * bit (4h + g) of hmask[i], minus 4; w = d sc q. Q2_K:
+ * scales[16] (per 16 values: a 4-bit scale, then a 4-bit min), qs[64] as Q3_K's, fp16 d and
+ * dmin; w = d sc q - dmin m. A tile (16 rows, regrouped) holds the 16 d [Q2_K: and the 16
+ * dmin], the scale bytes as lines of 16 (byte c of every row: Q3_K 12, Q2_K 16), then [Q3_K:
+ * hmask and] qs as lines of 64 bytes (bytes 4l..4l+3 of each row). As for Q6_K, the byte
+ * products of 16 values are weighted by their integer scale, one float FMA per block of 32,
+ * and the offset (Q3_K's 4 d sc, Q2_K's dmin m) is taken back from the activations' sums per
+ * 16. q2 is a compile-time constant in each instance. */
 #define Q3T_BYTES 1760 /* 16 x 110 */
 #define Q3T_SC 32
 #define Q3T_HM 224
 #define Q3T_QS 736
+#define Q2T_BYTES 1344 /* 16 x 84 */
+#define Q2T_SC 64
+#define Q2T_QS 320
+#define LOWT_BYTES(q2) ((q2) ? Q2T_BYTES : Q3T_BYTES)
+#define LOWT_QS(q2) ((q2) ? Q2T_QS : Q3T_QS)
 
 #if ISA == 3
-/* The 16 rows' scale of sub-block c (of 16 values), minus 32, from the tile's scale lines. */
-static inline __m512i q3_scale16(const uint8_t *t, int c) {
+/* The 16 rows' scale of sub-block c (of 16 values) and the factor of its offset term: Q3_K
+ * the scale minus 32 (its offset 4 d sc is taken back as 4 d times it), Q2_K the low nibble
+ * and the min (times dmin). */
+static inline void low_scales16(const uint8_t *t, int c, int q2, __m512i *sc, __m512i *off) {
+    if (q2) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + Q2T_SC + 16 * c)));
+        *sc = _mm512_and_si512(v, _mm512_set1_epi32(15));
+        *off = _mm512_srli_epi32(v, 4);
+        return;
+    }
     const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + Q3T_SC + 16 * (c % 8))));
     const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + Q3T_SC + 16 * (8 + c % 4))));
     const __m512i low4 = c < 8 ? _mm512_and_si512(lo, _mm512_set1_epi32(15)) : _mm512_srli_epi32(lo, 4);
     const __m512i high2 = _mm512_and_si512(_mm512_srli_epi32(hi, 2 * (c / 4)), _mm512_set1_epi32(3));
-    return _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
+    *sc = _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
+    *off = *sc;
 }
 
-static inline __attribute__((always_inline)) void group_q3k_m(
+static inline __attribute__((always_inline)) void group_lowk_m(
     const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
-    int64_t k, const int m, float out[MAXM_K][GR]) {
-    const int64_t nb = k / QK;
+    int64_t k, const int m, const int q2, float out[MAXM_K][GR]) {
+    const int64_t nb = k / QK, tb = LOWT_BYTES(q2);
     const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     __m512 acc[MAXM_K], fix[MAXM_K];
     for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
-        const uint8_t *t = tiles + b * Q3T_BYTES;
+        const uint8_t *t = tiles + b * tb;
         if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
-            for (int64_t o = 0; o < Q3T_BYTES; o += 64)
+            for (int64_t o = 0; o < tb; o += 64)
                 _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+        /* Q3_K: 4 d per unit of the offset factor; Q2_K: dmin */
+        const __m512 dfix = q2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)))
+                               : _mm512_mul_ps(d, _mm512_set1_ps(4.f));
         __m512i sc[16];
         __m512 corr[MAXM_K];
         for (int i = 0; i < m; ++i) corr[i] = _mm512_setzero_ps();
         for (int c = 0; c < 16; ++c) {
-            sc[c] = q3_scale16(t, c);
-            const __m512 scf = _mm512_cvtepi32_ps(sc[c]);
+            __m512i off;
+            low_scales16(t, c, q2, &sc[c], &off);
+            const __m512 offf = _mm512_cvtepi32_ps(off);
             for (int i = 0; i < m; ++i)
-                corr[i] = _mm512_fmadd_ps(scf, _mm512_set1_ps(ss16[2 * i * nb + 16 * b + c]),
+                corr[i] = _mm512_fmadd_ps(offf, _mm512_set1_ps(ss16[2 * i * nb + 16 * b + c]),
                                           corr[i]);
         }
-        for (int i = 0; i < m; ++i) fix[i] = _mm512_fmadd_ps(corr[i], d, fix[i]);
+        for (int i = 0; i < m; ++i) fix[i] = _mm512_fmadd_ps(corr[i], dfix, fix[i]);
         for (int j = 0; j < 8; ++j) { /* block of 32: half h, group g */
             const int h = j / 4, g = j % 4;
             __m512i dot[MAXM_K];
@@ -992,12 +1013,14 @@ static inline __attribute__((always_inline)) void group_q3k_m(
                 __m512i u[4];
                 for (int e = 0; e < 4; ++e) {
                     const int l = 4 * hs + e; /* values 4l..4l+3 of the block */
-                    const __m512i q = _mm512_loadu_si512((const void *)(t + Q3T_QS + 64 * (8 * h + l)));
-                    const __m512i hm = _mm512_loadu_si512((const void *)(t + Q3T_HM + 64 * l));
-                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(q, 2 * g), three);
-                    const __m512i hb = j <= 2 ? _mm512_slli_epi16(hm, 2 - j)
-                                              : _mm512_srli_epi16(hm, j - 2);
-                    u[e] = _mm512_or_si512(lo, _mm512_and_si512(hb, four));
+                    const __m512i q = _mm512_loadu_si512((const void *)(t + LOWT_QS(q2) + 64 * (8 * h + l)));
+                    u[e] = _mm512_and_si512(_mm512_srli_epi16(q, 2 * g), three);
+                    if (!q2) {
+                        const __m512i hm = _mm512_loadu_si512((const void *)(t + Q3T_HM + 64 * l));
+                        const __m512i hb = j <= 2 ? _mm512_slli_epi16(hm, 2 - j)
+                                                  : _mm512_srli_epi16(hm, j - 2);
+                        u[e] = _mm512_or_si512(u[e], _mm512_and_si512(hb, four));
+                    }
                 }
                 const __m512i scale = sc[2 * j + hs];
                 for (int i = 0; i < m; ++i) {
@@ -1017,46 +1040,57 @@ static inline __attribute__((always_inline)) void group_q3k_m(
                                          acc[i]);
         }
     }
-    for (int i = 0; i < m; ++i)
-        _mm512_storeu_ps(out[i], _mm512_fnmadd_ps(fix[i], _mm512_set1_ps(4.f), acc[i]));
+    for (int i = 0; i < m; ++i) _mm512_storeu_ps(out[i], _mm512_sub_ps(acc[i], fix[i]));
 }
 #elif ISA > 0
-/* q3_scale16 for the 8 rows of half hf. */
-static inline __m256i q3_scale8(const uint8_t *t, int c, int hf) {
+/* low_scales16 for the 8 rows of half hf. */
+static inline void low_scales8(const uint8_t *t, int c, int hf, int q2, __m256i *sc,
+                               __m256i *off) {
+    if (q2) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(t + Q2T_SC + 16 * c + 8 * hf)));
+        *sc = _mm256_and_si256(v, _mm256_set1_epi32(15));
+        *off = _mm256_srli_epi32(v, 4);
+        return;
+    }
     const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(t + Q3T_SC + 16 * (c % 8) + 8 * hf)));
     const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(t + Q3T_SC + 16 * (8 + c % 4) + 8 * hf)));
     const __m256i low4 = c < 8 ? _mm256_and_si256(lo, _mm256_set1_epi32(15)) : _mm256_srli_epi32(lo, 4);
     const __m256i high2 = _mm256_and_si256(_mm256_srli_epi32(hi, 2 * (c / 4)), _mm256_set1_epi32(3));
-    return _mm256_sub_epi32(_mm256_or_si256(low4, _mm256_slli_epi32(high2, 4)), _mm256_set1_epi32(32));
+    *sc = _mm256_sub_epi32(_mm256_or_si256(low4, _mm256_slli_epi32(high2, 4)), _mm256_set1_epi32(32));
+    *off = *sc;
 }
 
 /* Eight rows per 256-bit vector, one half of the 16 rows per pass (the second finds the tile
  * in cache). */
-static inline __attribute__((always_inline)) void group_q3k_m(
+static inline __attribute__((always_inline)) void group_lowk_m(
     const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa, const float *ss16,
-    int64_t k, const int m, float out[MAXM][GR]) {
-    const int64_t nb = k / QK;
+    int64_t k, const int m, const int q2, float out[MAXM][GR]) {
+    const int64_t nb = k / QK, tb = LOWT_BYTES(q2);
     const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     for (int hf = 0; hf < 2; ++hf) {
         __m256 acc[MAXM], fix[MAXM];
         for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nsb; ++b) {
-            const uint8_t *t = tiles + b * Q3T_BYTES;
+            const uint8_t *t = tiles + b * tb;
             if (hf == 0)
-                for (int64_t o = 0; o < Q3T_BYTES; o += 64)
-                    _mm_prefetch((const char *)(t + Q3T_BYTES + o), _MM_HINT_T0);
+                for (int64_t o = 0; o < tb; o += 64)
+                    _mm_prefetch((const char *)(t + tb + o), _MM_HINT_T0);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16 * hf)));
+            const __m256 dfix =
+                q2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * hf)))
+                   : _mm256_mul_ps(d, _mm256_set1_ps(4.f));
             __m256i sc[16];
             __m256 corr[MAXM];
             for (int i = 0; i < m; ++i) corr[i] = _mm256_setzero_ps();
             for (int c = 0; c < 16; ++c) {
-                sc[c] = q3_scale8(t, c, hf);
-                const __m256 scf = _mm256_cvtepi32_ps(sc[c]);
+                __m256i off;
+                low_scales8(t, c, hf, q2, &sc[c], &off);
+                const __m256 offf = _mm256_cvtepi32_ps(off);
                 for (int i = 0; i < m; ++i)
-                    corr[i] = _mm256_fmadd_ps(scf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]),
+                    corr[i] = _mm256_fmadd_ps(offf, _mm256_set1_ps(ss16[2 * i * nb + 16 * b + c]),
                                               corr[i]);
             }
-            for (int i = 0; i < m; ++i) fix[i] = _mm256_fmadd_ps(corr[i], d, fix[i]);
+            for (int i = 0; i < m; ++i) fix[i] = _mm256_fmadd_ps(corr[i], dfix, fix[i]);
             for (int j = 0; j < 8; ++j) {
                 const int h = j / 4, g = j % 4;
                 __m256i dot[MAXM];
@@ -1066,13 +1100,15 @@ static inline __attribute__((always_inline)) void group_q3k_m(
                     for (int e = 0; e < 4; ++e) {
                         const int l = 4 * hs + e;
                         const __m256i q = _mm256_loadu_si256(
-                            (const __m256i *)(t + Q3T_QS + 64 * (8 * h + l) + 32 * hf));
-                        const __m256i hm =
-                            _mm256_loadu_si256((const __m256i *)(t + Q3T_HM + 64 * l + 32 * hf));
-                        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), three);
-                        const __m256i hb = j <= 2 ? _mm256_slli_epi16(hm, 2 - j)
-                                                  : _mm256_srli_epi16(hm, j - 2);
-                        u[e] = _mm256_or_si256(lo, _mm256_and_si256(hb, four));
+                            (const __m256i *)(t + LOWT_QS(q2) + 64 * (8 * h + l) + 32 * hf));
+                        u[e] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), three);
+                        if (!q2) {
+                            const __m256i hm = _mm256_loadu_si256(
+                                (const __m256i *)(t + Q3T_HM + 64 * l + 32 * hf));
+                            const __m256i hb = j <= 2 ? _mm256_slli_epi16(hm, 2 - j)
+                                                      : _mm256_srli_epi16(hm, j - 2);
+                            u[e] = _mm256_or_si256(u[e], _mm256_and_si256(hb, four));
+                        }
                     }
                     const __m256i scale = sc[2 * j + hs];
                     for (int i = 0; i < m; ++i) {
@@ -1089,36 +1125,44 @@ static inline __attribute__((always_inline)) void group_q3k_m(
                                              acc[i]);
             }
         }
-        for (int i = 0; i < m; ++i)
-            _mm256_storeu_ps(out[i] + 8 * hf, _mm256_fnmadd_ps(fix[i], _mm256_set1_ps(4.f), acc[i]));
+        for (int i = 0; i < m; ++i) _mm256_storeu_ps(out[i] + 8 * hf, _mm256_sub_ps(acc[i], fix[i]));
     }
 }
 #else
-static void group_q3k_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
-                        const float *ss16, int64_t k, int64_t m, float out[MAXM][GR]) {
-    const int64_t nb = k / QK;
+static void group_lowk_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
+                         const float *ss16, int64_t k, int64_t m, int q2, float out[MAXM][GR]) {
+    (void)ss16;
+    const int64_t nb = k / QK, tb = LOWT_BYTES(q2);
     for (int64_t i = 0; i < m; ++i)
         for (int r = 0; r < GR; ++r) out[i][r] = 0.f;
     for (int64_t b = 0; b < nsb; ++b) {
-        const uint8_t *t = tiles + b * Q3T_BYTES;
+        const uint8_t *t = tiles + b * tb;
         for (int r = 0; r < GR; ++r) {
-            const float d = fp16_to_f32(t + 2 * r);
+            const float d = fp16_to_f32(t + 2 * r), dmin = q2 ? fp16_to_f32(t + 32 + 2 * r) : 0.f;
             for (int c = 0; c < 16; ++c) { /* 16 values: 128h + 32g + 16 (c % 2) + i */
-                const uint8_t s_lo = t[Q3T_SC + 16 * (c % 8) + r];
-                const uint8_t s_hi = t[Q3T_SC + 16 * (8 + c % 4) + r];
-                const int sc = ((c < 8 ? s_lo & 15 : s_lo >> 4) | ((s_hi >> (2 * (c / 4))) & 3) << 4) - 32;
+                int sc, mn = 0;
+                if (q2) {
+                    sc = t[Q2T_SC + 16 * c + r] & 15;
+                    mn = t[Q2T_SC + 16 * c + r] >> 4;
+                } else {
+                    const uint8_t s_lo = t[Q3T_SC + 16 * (c % 8) + r];
+                    const uint8_t s_hi = t[Q3T_SC + 16 * (8 + c % 4) + r];
+                    sc = ((c < 8 ? s_lo & 15 : s_lo >> 4) | ((s_hi >> (2 * (c / 4))) & 3) << 4) - 32;
+                }
                 const int j = c / 2, h = j / 4, g = j % 4;
                 for (int64_t i = 0; i < m; ++i) {
                     const int8_t *a = qa + i * k + b * 256 + 16 * c;
-                    int32_t dot = 0;
+                    int32_t dot = 0, asum = 0;
                     for (int v = 0; v < 16; ++v) {
                         const int x = 16 * (c % 2) + v; /* i of the block */
-                        const uint8_t qb = t[Q3T_QS + 64 * (8 * h + x / 4) + 4 * r + x % 4];
-                        const uint8_t hb = t[Q3T_HM + 64 * (x / 4) + 4 * r + x % 4];
-                        const int q = ((qb >> (2 * g)) & 3) | ((hb >> j) & 1) << 2;
-                        dot += (q - 4) * a[v];
+                        const uint8_t qb = t[LOWT_QS(q2) + 64 * (8 * h + x / 4) + 4 * r + x % 4];
+                        int q = (qb >> (2 * g)) & 3;
+                        if (!q2) q = (q | ((t[Q3T_HM + 64 * (x / 4) + 4 * r + x % 4] >> j) & 1) << 2) - 4;
+                        dot += q * a[v];
+                        asum += a[v];
                     }
-                    out[i][r] += d * (float)sc * sa[i * nb + b * 8 + j] * (float)dot;
+                    const float s = sa[i * nb + b * 8 + j];
+                    out[i][r] += d * (float)sc * s * (float)dot - dmin * (float)mn * s * (float)asum;
                 }
             }
         }
@@ -1126,15 +1170,19 @@ static void group_q3k_m(const uint8_t *tiles, int64_t nsb, const int8_t *qa, con
 }
 #endif
 
-/* Q3_K tiles of a group against m activation rows, m a constant per vector instance. */
-static void group_q3k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const float *sa,
-                      const float *ss16, int64_t k, int64_t m, float out[MAXM_K][GR]) {
+/* Q3_K (q2 = 0) or Q2_K tiles of a group against m activation rows, m a constant per vector
+ * instance. */
+static void group_lowk(int q2, const uint8_t *tiles, int64_t nsb, const int8_t *qa,
+                       const float *sa, const float *ss16, int64_t k, int64_t m,
+                       float out[MAXM_K][GR]) {
 #if ISA > 0
-#define Q3K_CASE(M) group_q3k_m(tiles, nsb, qa, sa, ss16, k, M, out)
-    FOR_ROW_COUNT(m, Q3K_CASE)
-#undef Q3K_CASE
+#define LOWK_CASE(M)                                                                              \
+    (q2 ? group_lowk_m(tiles, nsb, qa, sa, ss16, k, M, 1, out)                                  \
+        : group_lowk_m(tiles, nsb, qa, sa, ss16, k, M, 0, out))
+    FOR_ROW_COUNT(m, LOWK_CASE)
+#undef LOWK_CASE
 #else
-    group_q3k_m(tiles, nsb, qa, sa, ss16, k, m, out);
+    group_lowk_m(tiles, nsb, qa, sa, ss16, k, m, q2, out);
 #endif
 }
 
@@ -1148,7 +1196,7 @@ static void group_q3k(const uint8_t *tiles, int64_t nsb, const int8_t *qa, const
  * widens them, so a block of 32 needs one float multiply per row; the offset 32 is taken
  * back from the activations' sums per 16. Q6_K weights are held in these tiles from load
  * (forerun/model/quant/gguf_blocks.py), for one row as for many: with the 512-bit body the
- * tiles beat kquant_matmul.c's row kernel at every row count (one core, 2048 x 8192:
+ * tiles beat the row kernel it ran in before at every row count (one core, 2048 x 8192:
  * 1.2-1.4x at one row, 2.6-3.3x at eight). */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
@@ -1623,10 +1671,10 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
         if (rc != -2) return rc;
     }
     const int64_t nb = k / QK;
-    int with16 = 0, q6 = 0; /* Q6_K's and Q3_K's sums per 16, only where a part needs them */
+    int with16 = 0, q6 = 0; /* the sums per 16 of Q6_K, Q3_K, Q2_K, where a part needs them */
     for (int64_t p = 0; p < w->nparts; ++p) {
         q6 |= w->type[p] == QT_Q6_K;
-        with16 |= w->type[p] == QT_Q6_K || w->type[p] == QT_Q3_K;
+        with16 |= w->type[p] == QT_Q6_K || w->type[p] == QT_Q3_K || w->type[p] == QT_Q2_K;
     }
     /* One allocation: quantized rows, [the same plus 128 for the expanded Q6_K body,] then
      * scales and scaled sums (per 32, [per 16]). */
@@ -1721,9 +1769,9 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                     else if (type == QT_IQ4_XS)
                         group_iq4xs(tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
                                     out);
-                    else if (type == QT_Q3_K)
-                        group_q3k(tiles, nt, qa + i * k, sa + i * nb, ss16 + 2 * i * nb, k, mi,
-                                  out);
+                    else if (type == QT_Q3_K || type == QT_Q2_K)
+                        group_lowk(type == QT_Q2_K, tiles, nt, qa + i * k, sa + i * nb,
+                                   ss16 + 2 * i * nb, k, mi, out);
                     else
                         group_rows(type, tiles, nt, qa + i * k, sa + i * nb, ssa + i * nb, k, mi,
                                    out);

@@ -69,15 +69,17 @@ IQ4NL_LEVELS: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13
 
 
 GROUP = 16  # rows per tile
-Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 11, 12, 13, 14, 23
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
 # The types held in tiles: (bytes, values) of their blocks.
 TILED_TYPES: dict[int, tuple[int, int]] = {**{t: (b, QK) for t, b in BLOCK_BYTES.items()},
-                                           Q3_K: (110, 256), Q4_K: (144, 256),
+                                           Q2_K: (84, 256), Q3_K: (110, 256), Q4_K: (144, 256),
                                            Q5_K: (176, 256), Q6_K: (210, 256),
                                            IQ4_XS: (136, 256)}
 # Q3_K's tile (csrc/quant_matmul.c): the 16 d, the 12 scale bytes as 12 lines of 16, then
 # hmask and qs as lines of 64 bytes.
 _Q3T_HM, _Q3T_QS = 224, 736
+# Q2_K's: the 16 d, the 16 dmin, the 16 scale bytes as 16 lines of 16, then qs in lines of 64.
+_Q2T_SC, _Q2T_QS = 64, 320
 # Q6_K's tile (csrc/quant_matmul.c): the 16 d, the 16 scale bytes as 16 lines of 16, then ql
 # and qh as lines of 64 bytes.
 _Q6T_QL, _Q6T_QH = 288, 2336
@@ -96,6 +98,13 @@ def _tile_map(qtype: int) -> torch.Tensor:
             out[r, 128:192] = _Q6T_QH + 64 * (q // 4) + 4 * r + q % 4
             out[r, 192:208] = 32 + 16 * torch.arange(16) + r
             out[r, 208:210] = torch.tensor([2 * r, 2 * r + 1])
+            continue
+        if qtype == Q2_K:  # 16 scale bytes, qs[64], d, dmin (the file's order)
+            out[r, 0:16] = _Q2T_SC + 16 * torch.arange(16) + r
+            q = torch.arange(64)
+            out[r, 16:80] = _Q2T_QS + 64 * (q // 4) + 4 * r + q % 4
+            out[r, 80:82] = torch.tensor([2 * r, 2 * r + 1])
+            out[r, 82:84] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
             continue
         if qtype == Q3_K:  # hmask[32], qs[64], 12 scale bytes, d (the file's order)
             q = torch.arange(32)

@@ -3,19 +3,17 @@ file's own blocks: Q8_0 / Q4_0 / Q4_1, Q5_0 / Q5_1 / IQ4_NL (what K-quant files 
 row is not whole super-blocks), MXFP4 (gpt-oss's experts), and the K-quants Q2_K / Q3_K /
 Q4_K / Q5_K / Q6_K and IQ4_XS.
 
-The blocks are copied out of the file once and never dequantized as a whole: the 32-value
-types, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS regrouped in tiles of 16 rows (the same bytes),
-Q2_K as it is. The C kernels read them for every matmul through one entry point
-(``csrc/gguf_matmul.c``): ``csrc/quant_matmul.c`` the tiles, with activations quantized per
-32 (why: :mod:`forerun.model.quant.gguf_blocks`), and ``csrc/kquant_matmul.c`` Q2_K, with
-activations quantized per 32 as well
-(:mod:`forerun.model.quant.kquant_blocks`). In tiles a row's dot product needs no horizontal
+The blocks are copied out of the file once and never dequantized as a whole: every native
+type is regrouped in tiles of 16 rows (the same bytes). The C kernels read them for every
+matmul through one entry point (``csrc/gguf_matmul.c``, then ``csrc/quant_matmul.c``), with
+activations quantized per 32 (why: :mod:`forerun.model.quant.gguf_blocks`; the K-quants:
+:mod:`forerun.model.quant.kquant_blocks`). In tiles a row's dot product needs no horizontal
 sum and one load feeds 16 rows, which made Q4_K's matmul 1.2x faster for one token and 2x
 for 64 (2048 x 8192 on 2 cores). Where the CPU has AMX, a bfloat16 matmul of many rows (a
 prefill, a large batch) of tiles instead dequantizes each pair of 16-row groups to bfloat16
 tiles once and runs every row against them (``csrc/quant_amx.c``): 4.4-5.8x the integer
-bodies for K-quants at 512 rows on 2 cores, level with a bfloat16 GEMM. A fused projection whose parts are of both families runs
-one kernel per family, each into its own columns. The single-stream path runs the same
+bodies for K-quants at 512 rows on 2 cores, level with a bfloat16 GEMM. A fused projection
+whose parts differ in type runs in one call. The single-stream path runs the same
 entry point inside its one-call decoder stack (``forerun/model/small_batch.py``), so a
 decode step reads each weight in its 2.6-8.5 bits.
 
@@ -78,8 +76,7 @@ class GGUFLinear(nn.Module):
     ``parts`` are ``(ggml type id, uint8 rows [rows_i, row_bytes_i])`` stacked along the
     output dimension: a fused projection (q/k/v, gate/up) whose checkpoint tensors differ in
     type keeps each as stored. ``bias`` stays a float parameter (loaded like any other).
-    The 32-value types, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS are held regrouped by 16 rows
-    (:func:`repack_tiles`), Q2_K as the file's rows.
+    Every part is held regrouped by 16 rows (:func:`repack_tiles`).
     """
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,

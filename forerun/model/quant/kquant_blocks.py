@@ -1,10 +1,9 @@
 """GGUF K-quant block formats (Q2_K ... Q6_K, IQ4_XS) forerun computes with, and their matmul
 in torch.
 
-A weight row of ``k`` values is ``k / 256`` super-blocks. Q4_K and Q5_K are held regrouped
-in tiles of 16 rows (the same bytes: :mod:`.gguf_blocks`, read by ``csrc/quant_matmul.c``),
-the others exactly as the file stores them (``csrc/kquant_matmul.c`` reads a row's blocks in
-order). ggml's layouts, byte offsets within one super-block (``d``/``dmin`` fp16):
+A weight row of ``k`` values is ``k / 256`` super-blocks, held regrouped in tiles of 16 rows
+(the same bytes: :mod:`.gguf_blocks`, read by ``csrc/quant_matmul.c``). ggml's layouts, byte
+offsets within one super-block (``d``/``dmin`` fp16):
 
 - Q2_K (84 bytes): 16 bytes of scales (low nibble scale, high nibble min, per 16 values),
   64 bytes of 2-bit quants, ``d``, ``dmin``; ``w = d * sc * q - dmin * m``, ``q`` in 0..3.
