@@ -86,10 +86,11 @@ from common import markdown_table, random_prompts, write_json
 from machine_load import check_quiet
 
 VOCAB = 49152
-GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "MXFP4")
+GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_M", "Q2_K",
+              "MXFP4")
 HF_TYPES = ("bf16", "float32", "int8")  # forerun on the HF folder
 ALL_TYPES = ("bf16", "float32", "int8", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS",
-             "MXFP4")
+             "Q3_K_M", "Q2_K", "MXFP4")
 ENGINES = ("forerun", "llama.cpp", "vllm")
 COLUMNS = ["shape", "engine, weights", "prompt tok/s", "decode tok/s", "ms/token",
            "floor ratio", "batch tok/s"]
