@@ -937,6 +937,20 @@ static void group_iq4xs(const uint8_t *tiles, int64_t nsb, const int8_t *qa, con
 #endif
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* dot + scale * (16 rows' 16 values u[0..3], 4 per lane each, . the 16 activation bytes at
+ * a): the sub-blocks of 16 values of Q6_K, Q3_K and Q2_K, each weighted by its integer scale
+ * (per row lane) before the block's float FMA. */
+static inline __attribute__((always_inline)) __m512i scaled_dot16(__m512i dot, const __m512i u[4],
+                                                                  const int8_t *a, __m512i scale) {
+    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(act4(a)));
+    p = _mm512_dpbusd_epi32(p, u[1], _mm512_set1_epi32(act4(a + 4)));
+    p = _mm512_dpbusd_epi32(p, u[2], _mm512_set1_epi32(act4(a + 8)));
+    p = _mm512_dpbusd_epi32(p, u[3], _mm512_set1_epi32(act4(a + 12)));
+    return _mm512_add_epi32(dot, _mm512_mullo_epi32(p, scale));
+}
+#endif
+
 /* ---- Q3_K and Q2_K in tiles of 16 rows ------------------------------------------------
  * Super-blocks of 256 values per row. Q3_K: hmask[32], qs[64], 12 bytes of 6-bit scales
  * (one per 16 values, minus 32), fp16 d; value 128h + 32g + i (h < 2, g < 4, i < 32) is bits
@@ -1024,13 +1038,8 @@ static inline __attribute__((always_inline)) void group_lowk_m(
                 }
                 const __m512i scale = sc[2 * j + hs];
                 for (int i = 0; i < m; ++i) {
-                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * hs;
-                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0],
-                                                    _mm512_set1_epi32(act4(a)));
-                    p = _mm512_dpbusd_epi32(p, u[1], _mm512_set1_epi32(act4(a + 4)));
-                    p = _mm512_dpbusd_epi32(p, u[2], _mm512_set1_epi32(act4(a + 8)));
-                    p = _mm512_dpbusd_epi32(p, u[3], _mm512_set1_epi32(act4(a + 12)));
-                    dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, scale));
+                    dot[i] = scaled_dot16(dot[i], u, qa + i * k + b * 256 + 32 * j + 16 * hs,
+                                          scale);
                     KEEP_IN_ZMM(dot[i]);
                 }
             }
@@ -1250,13 +1259,7 @@ static inline __attribute__((always_inline)) void group_q6k_m(
                 }
                 const __m512i s = sc[2 * j + hs];
                 for (int i = 0; i < m; ++i) {
-                    const int8_t *a = qa + i * k + b * 256 + 32 * j + 16 * hs;
-                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0],
-                                                    _mm512_set1_epi32(act4(a)));
-                    p = _mm512_dpbusd_epi32(p, u[1], _mm512_set1_epi32(act4(a + 4)));
-                    p = _mm512_dpbusd_epi32(p, u[2], _mm512_set1_epi32(act4(a + 8)));
-                    p = _mm512_dpbusd_epi32(p, u[3], _mm512_set1_epi32(act4(a + 12)));
-                    dot[i] = _mm512_add_epi32(dot[i], _mm512_mullo_epi32(p, s));
+                    dot[i] = scaled_dot16(dot[i], u, qa + i * k + b * 256 + 32 * j + 16 * hs, s);
                     KEEP_IN_ZMM(dot[i]);
                 }
             }
