@@ -78,6 +78,13 @@ static inline __m512 d16(const uint8_t *p) { /* the 16 rows' fp16 scales */
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
+/* The types dequant_tile below has a body for; the integer bodies of quant_matmul.c take the
+ * others (Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS: no body here was tested on AMX yet). */
+static int dequantizes(int64_t type) {
+    return type == QT_Q4_0 || type == QT_Q4_1 || type == QT_Q8_0 || type == QT_MXFP4 ||
+           type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K;
+}
+
 /* One tile (16 rows x block_values(type)) as its B tiles, from b. */
 static void dequant_tile(int64_t type, const uint8_t *t, uint16_t *b) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
@@ -265,13 +272,8 @@ int quant_matmul_amx(const uint16_t *x, const qweight_t *w, void *y, int y_bf16,
     int64_t groups = 0;
     int all_k = 1;
     for (int64_t p = 0; p < w->nparts; ++p) {
-        /* Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS have no dequantizing body here: the
-         * integer bodies take them. */
         const int64_t t = w->type[p];
-        if (!block_bytes(t) || t == QT_Q5_0 || t == QT_Q5_1 || t == QT_IQ4_NL || t == QT_Q2_K ||
-            t == QT_Q3_K || t == QT_IQ4_XS)
-            return -2;
-        if (w->rows[p] < 1 || k % block_values(t)) return -2;
+        if (!dequantizes(t) || w->rows[p] < 1 || k % block_values(t)) return -2;
         all_k &= block_values(w->type[p]) == 256;
         groups += (w->rows[p] + GR - 1) / GR;
     }

@@ -69,69 +69,52 @@ IQ4NL_LEVELS: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13
 
 
 GROUP = 16  # rows per tile
+# The K-quants' 256-value super-blocks (formats: :mod:`forerun.model.quant.kquant_blocks`).
+QK_K = 256
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
-# The types held in tiles: (bytes, values) of their blocks.
+KBLOCK_BYTES: dict[int, int] = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210,
+                                IQ4_XS: 136}
+KTYPE_NAMES: dict[int, str] = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K",
+                               Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
+# Every type forerun runs natively, all held in tiles: (bytes, values) of their blocks.
 TILED_TYPES: dict[int, tuple[int, int]] = {**{t: (b, QK) for t, b in BLOCK_BYTES.items()},
-                                           Q2_K: (84, 256), Q3_K: (110, 256), Q4_K: (144, 256),
-                                           Q5_K: (176, 256), Q6_K: (210, 256),
-                                           IQ4_XS: (136, 256)}
-# Q3_K's tile (csrc/quant_matmul.c): the 16 d, the 12 scale bytes as 12 lines of 16, then
-# hmask and qs as lines of 64 bytes.
-_Q3T_HM, _Q3T_QS = 224, 736
-# Q2_K's: the 16 d, the 16 dmin, the 16 scale bytes as 16 lines of 16, then qs in lines of 64.
-_Q2T_SC, _Q2T_QS = 64, 320
-# Q6_K's tile (csrc/quant_matmul.c): the 16 d, the 16 scale bytes as 16 lines of 16, then ql
-# and qh as lines of 64 bytes.
-_Q6T_QL, _Q6T_QH = 288, 2336
+                                           **{t: (b, QK_K) for t, b in KBLOCK_BYTES.items()}}
+
+# Where each byte of a row's block sits in its tile (csrc/quant_matmul.c reads these), as
+# segments (first byte, end, how, tile offset) in the file's byte order: "half" an fp16 per
+# row (the 16 rows' values one after another), "col" byte c of every row (lines of 16:
+# off + 16 c + r), "line" bytes 4l..4l+3 of each row in lines of 64 (off + 64 l + 4 r).
+_HEAD = [(0, 2, "half", 0)]  # d
+_DM = [(0, 2, "half", 0), (2, 4, "half", 32)]  # d, then dmin or m
+_TILE_SEGMENTS: dict[int, list[tuple[int, int, str, int]]] = {
+    Q8_0: [*_HEAD, (2, 34, "line", 32)],
+    Q4_0: [*_HEAD, (2, 18, "line", 32)],
+    IQ4_NL: [*_HEAD, (2, 18, "line", 32)],
+    Q5_0: [*_HEAD, (2, 22, "line", 32)],  # qh is the first line
+    Q4_1: [*_DM, (4, 20, "line", 64)],
+    Q5_1: [*_DM, (4, 24, "line", 64)],
+    MXFP4: [(0, 1, "col", 0), (1, 17, "line", 16)],  # one exponent byte per row
+    Q4_K: [*_DM, (4, 16, "col", 64), (16, 144, "line", 256)],
+    Q5_K: [*_DM, (4, 16, "col", 64), (16, 176, "line", 256)],  # qh, then the nibbles
+    IQ4_XS: [*_DM, (4, 8, "col", 64), (8, 136, "line", 128)],  # d, scales_h, scales_l, qs
+    Q6_K: [(0, 128, "line", 288), (128, 192, "line", 2336), (192, 208, "col", 32),
+           (208, 210, "half", 0)],  # ql, qh, scales, d
+    Q3_K: [(0, 32, "line", 224), (32, 96, "line", 736), (96, 108, "col", 32),
+           (108, 110, "half", 0)],  # hmask, qs, scales, d
+    Q2_K: [(0, 16, "col", 64), (16, 80, "line", 320), (80, 82, "half", 0),
+           (82, 84, "half", 32)],  # scales, qs, d, dmin
+}
 
 
 def _tile_map(qtype: int) -> torch.Tensor:
     """``[16, block_bytes]``: where byte ``t`` of row ``r``'s block sits in a tile."""
-    bs = TILED_TYPES[qtype][0]
-    out = torch.empty(GROUP, bs, dtype=torch.int64)
-    for r in range(GROUP):
-        out[r, 0:2] = torch.tensor([2 * r, 2 * r + 1])
-        if qtype == Q6_K:  # ql[128], qh[64], 16 scales, d (the file's order)
-            q = torch.arange(128)
-            out[r, 0:128] = _Q6T_QL + 64 * (q // 4) + 4 * r + q % 4
-            q = torch.arange(64)
-            out[r, 128:192] = _Q6T_QH + 64 * (q // 4) + 4 * r + q % 4
-            out[r, 192:208] = 32 + 16 * torch.arange(16) + r
-            out[r, 208:210] = torch.tensor([2 * r, 2 * r + 1])
-            continue
-        if qtype == Q2_K:  # 16 scale bytes, qs[64], d, dmin (the file's order)
-            out[r, 0:16] = _Q2T_SC + 16 * torch.arange(16) + r
-            q = torch.arange(64)
-            out[r, 16:80] = _Q2T_QS + 64 * (q // 4) + 4 * r + q % 4
-            out[r, 80:82] = torch.tensor([2 * r, 2 * r + 1])
-            out[r, 82:84] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
-            continue
-        if qtype == Q3_K:  # hmask[32], qs[64], 12 scale bytes, d (the file's order)
-            q = torch.arange(32)
-            out[r, 0:32] = _Q3T_HM + 64 * (q // 4) + 4 * r + q % 4
-            q = torch.arange(64)
-            out[r, 32:96] = _Q3T_QS + 64 * (q // 4) + 4 * r + q % 4
-            out[r, 96:108] = 32 + 16 * torch.arange(12) + r
-            out[r, 108:110] = torch.tensor([2 * r, 2 * r + 1])
-            continue
-        if qtype == IQ4_XS:  # d, scales_h, 4 bytes scales_l, 128 of quants
-            out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
-            out[r, 4:8] = 64 + 16 * torch.arange(4) + r
-            off, head = 8, 128
-        elif qtype in (Q4_K, Q5_K):  # d, dmin, 12 scale bytes, [32 bytes qh,] 128 of quants
-            out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
-            out[r, 4:16] = 64 + 16 * torch.arange(12) + r
-            off, head = 16, 256
-        elif qtype in (Q4_1, Q5_1):
-            out[r, 2:4] = torch.tensor([32 + 2 * r, 32 + 2 * r + 1])
-            off, head = 4, 64
-        elif qtype == MXFP4:  # one exponent byte per row
-            out[r, 0] = r
-            off, head = 1, 16
-        else:
-            off, head = 2, 32
-        q = torch.arange(bs - off)
-        out[r, off:] = head + 64 * (q // 4) + 4 * r + q % 4
+    out = torch.empty(GROUP, TILED_TYPES[qtype][0], dtype=torch.int64)
+    for start, end, how, off in _TILE_SEGMENTS[qtype]:
+        q = torch.arange(end - start)
+        for r in range(GROUP):
+            out[r, start:end] = (off + 2 * r + q if how == "half"
+                                 else off + 16 * q + r if how == "col"
+                                 else off + 64 * (q // 4) + 4 * r + q % 4)
     return out
 
 

@@ -35,8 +35,10 @@ from torch import nn
 from forerun.model import cpu_kernels
 from forerun.model.quant.gguf_blocks import (
     BLOCK_BYTES,
+    KBLOCK_BYTES,
+    KTYPE_NAMES,
     QK,
-    TILED_TYPES,
+    QK_K,
     TYPE_NAMES,
     dequantize_rows,
     gguf_matmul_torch,
@@ -45,14 +47,7 @@ from forerun.model.quant.gguf_blocks import (
     tile_rows,
     tiles_to_blocks,
 )
-from forerun.model.quant.kquant_blocks import (
-    KBLOCK_BYTES,
-    KTYPE_NAMES,
-    QK_K,
-    dequantize_krows,
-    kquant_matmul_torch,
-    krow_bytes,
-)
+from forerun.model.quant.kquant_blocks import dequantize_krows, kquant_matmul_torch, krow_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +91,11 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(raw.shape[0] for _, raw in parts)
         # (type, rows, stored bytes). Plain attributes: nn.Module machinery must not cast or
         # move the bytes.
-        self.tiles = [(qtype, raw.shape[0], repack_tiles(qtype, raw, in_features)
-                       if qtype in TILED_TYPES else raw) for qtype, raw in parts]
+        self.tiles = [(qtype, raw.shape[0], repack_tiles(qtype, raw, in_features))
+                      for qtype, raw in parts]
         self.bias = bias
         # The descriptor csrc/gguf_matmul.c reads (and the one-call decoder stack's table
-        # holds): every part, each kernel family run by its kernel.
+        # holds): every part's type, rows and tiles.
         self.desc = cpu_kernels.QWeightDesc()
         self.desc.nparts = len(self.tiles)
         for slot, (qtype, rows, stored) in enumerate(self.tiles):
@@ -111,8 +106,7 @@ class GGUFLinear(nn.Module):
     @property
     def parts(self) -> list[tuple[int, torch.Tensor]]:
         """``(type, rows [n, row_bytes])`` in the file's layout (rebuilt from the tiles)."""
-        return [(qtype, tiles_to_blocks(qtype, stored, rows, self.in_features)
-                 if qtype in TILED_TYPES else stored)
+        return [(qtype, tiles_to_blocks(qtype, stored, rows, self.in_features))
                 for qtype, rows, stored in self.tiles]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,8 +147,7 @@ class GGUFLinear(nn.Module):
         """float32 ``[T, in_features]`` weight rows ``ids`` (single-part linears)."""
         assert len(self.tiles) == 1
         qtype, _, stored = self.tiles[0]
-        raw = (tile_rows(qtype, stored, self.in_features, ids) if qtype in TILED_TYPES
-               else stored.index_select(0, ids))
+        raw = tile_rows(qtype, stored, self.in_features, ids)
         if qtype in KQUANT_TYPES:
             return dequantize_krows(qtype, raw, self.in_features)
         return dequantize_rows(qtype, raw, self.in_features)

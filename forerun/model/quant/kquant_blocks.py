@@ -15,7 +15,7 @@ offsets within one super-block (``d``/``dmin`` fp16):
 - Q6_K (210 bytes): 128 bytes of low nibbles, 64 bytes of high 2 bits, 16 int8 scales per
   16 values, ``d``; ``w = d * sc * q``, ``q`` in -32..31.
 - IQ4_XS (136 bytes): ``d``, 2 + 4 bytes of 6-bit scales (offset by 32) per 32 values, 128
-  bytes of nibbles, each an index into 16 fixed levels (:data:`IQ4_LEVELS`);
+  bytes of nibbles, each an index into 16 fixed levels (:data:`IQ4NL_LEVELS`);
   ``w = d * sc * level``.
 
 Which bits of which byte hold value ``v`` of a super-block follows ``gguf.quants`` (the
@@ -38,17 +38,18 @@ from __future__ import annotations
 
 import torch
 
-from forerun.model.quant.gguf_blocks import quantize_activations
-
-QK_K = 256
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23  # ggml's type ids
-KBLOCK_BYTES: dict[int, int] = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210,
-                                IQ4_XS: 136}
-KTYPE_NAMES: dict[int, str] = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K",
-                               Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
-# IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl).
-IQ4_LEVELS: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
-                               69, 89, 113)
+from forerun.model.quant.gguf_blocks import (
+    IQ4_XS,
+    IQ4NL_LEVELS,
+    KBLOCK_BYTES,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    QK_K,
+    quantize_activations,
+)
 
 
 def krow_bytes(qtype: int, k: int) -> int:
@@ -137,7 +138,7 @@ def unpack_kblocks(qtype: int, raw: torch.Tensor, k: int
         sc = ((low | (high << 4)) - 32).float()
         # Value 32 s + 16 p + i: level of nibble p of byte 8 + 16 s + i.
         idx = _bits(b[..., 8:].reshape(n, nb, 8, 16), [0, 4], 0x0F).reshape(n, nb, 256)
-        q = torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=dev)[idx.long()]
+        q = torch.tensor(IQ4NL_LEVELS, dtype=torch.float32, device=dev)[idx.long()]
         return (q.reshape(n, nb, 16, 16), (d * sc).repeat_interleave(2, dim=-1).unsqueeze(-1),
                 torch.zeros(n, nb, 16, 1, device=dev))
     if qtype == Q2_K:
