@@ -1,5 +1,6 @@
 """The int8 matmul (csrc/int8_matmul.c): exact integer sums in every body this CPU can run,
-against int64 arithmetic, and the int8 linear the same through it as through torch._int_mm."""
+against int64 arithmetic, on its tiled weights, and the int8 linear the same through it as
+through torch._int_mm."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ _VARIANTS = {"x86-64": set(), "haswell": {"avx2"}, "skylake-avx512": {"avx512bw"
              "icelake-server": {"avx512bw", "avx512f", "avx512_vnni"}}
 SHAPES = [(1, 7, 33), (1, 64, 2048), (2, 5, 16), (3, 9, 100), (4, 8, 64), (5, 13, 17),
           (64, 67, 256), (64, 4, 31),
-          # the VNNI body's edges: k at, below and past 64-byte lines, n past whole blocks
-          (1, 9, 64), (6, 10, 127), (7, 12, 129), (8, 17, 576), (1, 5, 1), (8, 3, 63)]
+          # the tiles' edges: k not whole lines of 4 bytes, n short of a tile, of a pass of 4
+          # tiles (64 rows) and past it; rows past a pass of 4
+          (1, 9, 64), (6, 10, 127), (7, 12, 129), (8, 17, 576), (1, 5, 1), (8, 3, 63),
+          (5, 64, 40), (9, 80, 36), (2, 129, 8), (1, 200, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,8 @@ def bodies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL | 
 
 
 def test_each_variant_is_the_body_it_was_built_for(bodies) -> None:
-    want = {"x86-64": "c", "haswell": "avx2", "skylake-avx512": "avx512bw",
-            "icelake-server": "avx512bw"}
+    want = {"x86-64": "c", "haswell": "avx2", "skylake-avx512": "avx2",
+            "icelake-server": "avx512vnni"}
     for name, lib in bodies.items():
         if lib is not None:
             assert cpu_kernels.int8_matmul_isa(lib) == want[name]
@@ -53,14 +56,25 @@ def test_integer_sums_are_exact_in_every_body(bodies, m: int, n: int, k: int) ->
     wq[0, :] = -127
     oracle = xq.long() @ wq.long().t()
     wsum = cpu_kernels.int8_weight_sums(wq)
-    assert torch.equal(wsum.long(), wq.long().sum(dim=1))
+    assert torch.equal(wsum[:n].long(), wq.long().sum(dim=1))
+    assert not wsum[n:].any()
+    tiles = cpu_kernels.int8_tile_weights(wq)
+    assert torch.equal(cpu_kernels.int8_tiles_to_rows(tiles, n, k), wq)
     for name, lib in bodies.items():
-        got = cpu_kernels.int8_matmul_acc(xq, wq, lib=lib)
+        # the VNNI body's unsigned x + 128 with 128 * sum(w) off again, the others' signed
+        # products: the same sums
+        got = cpu_kernels.int8_matmul_acc(xq, tiles, wsum, n, lib=lib)
         assert torch.equal(got.long(), oracle), name
-        # With the row sums: the VNNI body where the build has it (unsigned x + 128, then
-        # 128 * sum(w) off again), the same sums either way.
-        got = cpu_kernels.int8_matmul_acc(xq, wq, lib=lib, wsum=wsum)
-        assert torch.equal(got.long(), oracle), name
+
+
+def test_tile_layout_puts_four_bytes_of_sixteen_rows_in_each_line() -> None:
+    n, k = 20, 10
+    wq = (torch.arange(n * k) % 251 - 125).to(torch.int8).reshape(n, k)
+    tiles = cpu_kernels.int8_tile_weights(wq)
+    assert tiles.shape == (2, 3, 16, 4)  # ceil(20 / 16) tiles, k rounded up to 12 bytes
+    for g, j, r, b in [(0, 0, 0, 0), (0, 2, 15, 1), (1, 1, 3, 3), (0, 1, 7, 2)]:
+        assert tiles[g, j, r, b] == wq[16 * g + r, 4 * j + b]
+    assert not tiles[1, :, 4:].any() and not tiles[:, 2, :, 2:].any()  # padding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,7 +90,7 @@ def test_int8_linear_against_float64(dtype: torch.dtype, m: int) -> None:
     x = torch.randn(m, k, generator=g).to(dtype)
     got = lin(x)
     xq, sx = cpu_kernels.int8_quantize_rows(x.contiguous())
-    want = (xq.double() @ lin.weight_q.double().t()) * sx.double()[:, None] \
+    want = (xq.double() @ lin.weight_rows().double().t()) * sx.double()[:, None] \
         * lin.weight_scale.double()[None, :]
     # float32: the kernel's float32 rescale against float64's (a few ulps); bfloat16: one
     # rounding step of the output either way

@@ -90,7 +90,8 @@ def test_int8_through_the_stack_equals_op_by_op(folder: Path, dtype: torch.dtype
 def test_int8_stack_is_the_layers_own_int8_linears(folder: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The int8 linears' own rows feed the stack: perturbing one of them moves its logits
-    (no stale copy), and the bytes a step streams count them at one byte a weight."""
+    (no stale copy), and the bytes a step streams count them at one byte a weight (their
+    tiles' padding too)."""
     monkeypatch.setenv("FORERUN_SMALL_BATCH_TOKENS", "1000")
     model = _load(folder, torch.float32)
     with torch.inference_mode():
@@ -103,7 +104,9 @@ def test_int8_stack_is_the_layers_own_int8_linears(folder: Path,
     cfg = model.config
     h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     qkv = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    int8 = h * h + 2 * i * h + i * h
+    def tiled(n: int, k: int) -> int:  # int8 tiles: rows to whole 16s, k to whole 4s
+        return -(-n // 16) * 16 * (-(-k // 4) * 4)
+    int8 = tiled(h, h) + tiled(2 * i, h) + tiled(h, i)
     expected = layers * (4 * qkv + int8 + 4 * (h + 2 * i + h)) + 4 * cfg.vocab_size * h
     assert model.small_batch.streamed_bytes() == expected
 

@@ -418,8 +418,8 @@ def _int8_reference(moe: Any, x: torch.Tensor) -> torch.Tensor:
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             gate_up, down = moe.quant_experts[int(ids[t, j])]
-            w13 = gate_up.weight_q.double() * gate_up.weight_scale.double()[:, None]
-            w2 = down.weight_q.double() * down.weight_scale.double()[:, None]
+            w13 = gate_up.weight_rows().double() * gate_up.weight_scale.double()[:, None]
+            w2 = down.weight_rows().double() * down.weight_scale.double()[:, None]
             g, u = (w13 @ _int8_rows(x[t])).split(w2.shape[1])
             h = torch.nn.functional.silu(g) * u
             out[t] += weights[t, j].double() * (w2 @ _int8_rows(h))

@@ -728,58 +728,68 @@ def bind_int8_kernels(lib: ctypes.CDLL) -> None:
     """Declare the signatures of the int8 matmul (csrc/int8_matmul.c) on a loaded library
     (the kernel library, or a test's build of int8_matmul.c alone)."""
     lib.int8_matmul_acc.restype = ctypes.c_int
-    lib.int8_matmul_acc.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.int8_matmul_acc.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.int8_matmul_isa.restype = ctypes.c_int
     lib.int8_matmul_isa.argtypes = []
-    lib.int8_matmul_acc_vnni.restype = ctypes.c_int
-    lib.int8_matmul_acc_vnni.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
 
 
-def int8_matmul_acc(xq: torch.Tensor, wq: torch.Tensor, out: torch.Tensor | None = None,
-                    lib: ctypes.CDLL | None = None,
-                    wsum: torch.Tensor | None = None) -> torch.Tensor:
-    """The exact int32 sums ``xq @ wq.T`` of int8 ``xq`` ``[m, k]`` and ``wq`` ``[n, k]``
-    (what ``torch._int_mm(xq, wq.t())`` returns), into ``out`` if given. With ``wsum``
-    (int32 ``[n]``, each weight row's sum: :func:`int8_weight_sums`) the AVX512-VNNI body
-    runs where the library has it."""
+INT8_TILE_ROWS = 16  # weight rows per tile of csrc/int8_matmul.c
+
+
+def int8_tile_weights(wq: torch.Tensor) -> torch.Tensor:
+    """int8 rows ``wq`` ``[n, k]`` in the tiles of csrc/int8_matmul.c: ``[ceil(n / 16),
+    kp / 4, 16, 4]`` (``kp`` = ``k`` rounded up to 4; zeros past ``n`` and ``k``), line ``j``
+    of tile ``g`` holding bytes ``4j..4j+3`` of rows ``16g..16g+15``."""
+    n, k = wq.shape
+    g, kp = -(-n // INT8_TILE_ROWS), -(-k // 4) * 4
+    padded = torch.nn.functional.pad(wq, (0, kp - k, 0, g * INT8_TILE_ROWS - n))
+    return padded.view(g, INT8_TILE_ROWS, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def int8_tiles_to_rows(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The ``[n, k]`` int8 rows of :func:`int8_tile_weights`'s tiles (a new tensor)."""
+    g, lines = tiles.shape[:2]
+    return tiles.permute(0, 2, 1, 3).reshape(g * INT8_TILE_ROWS, lines * 4)[:n, :k].contiguous()
+
+
+def int8_matmul_acc(xq: torch.Tensor, tiles: torch.Tensor, wsum: torch.Tensor, n: int,
+                    out: torch.Tensor | None = None,
+                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The exact int32 sums ``xq @ W.T`` of int8 ``xq`` ``[m, k]`` and the ``n`` weight rows
+    held as :func:`int8_tile_weights` tiles, with their :func:`int8_weight_sums` (what
+    ``torch._int_mm(xq, W.t())`` returns), into ``out`` if given."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
-    (m, k), n = xq.shape, wq.shape[0]
-    assert xq.is_contiguous() and wq.is_contiguous() and wq.shape[1] == k
+    m, k = xq.shape
+    g = -(-n // INT8_TILE_ROWS)
+    assert xq.is_contiguous() and tiles.is_contiguous() and tiles.dtype == torch.int8
+    assert tiles.shape == (g, -(-k // 4), INT8_TILE_ROWS, 4), (tiles.shape, n, k)
+    assert wsum.dtype == torch.int32 and wsum.shape == (g * INT8_TILE_ROWS,)
     if out is None:
         out = torch.empty(m, n, dtype=torch.int32)
     assert out.shape == (m, n) and out.dtype == torch.int32 and out.is_contiguous()
-    rc = -2
-    if wsum is not None:
-        assert wsum.dtype == torch.int32 and wsum.shape == (n,) and wsum.is_contiguous()
-        rc = lib.int8_matmul_acc_vnni(xq.data_ptr(), wq.data_ptr(), wsum.data_ptr(),
-                                      out.data_ptr(), m, n, k)
-    if rc == -2:  # no VNNI body in this build
-        rc = lib.int8_matmul_acc(xq.data_ptr(), wq.data_ptr(), out.data_ptr(), m, n, k)
-    if rc != 0:
+    if lib.int8_matmul_acc(xq.data_ptr(), tiles.data_ptr(), wsum.data_ptr(), out.data_ptr(),
+                           m, n, k) != 0:
         raise MemoryError("int8 matmul could not allocate its scratch space")
     return out
 
 
 def int8_weight_sums(wq: torch.Tensor) -> torch.Tensor:
-    """Each int8 weight row's sum (int32 ``[n]``): the correction the VNNI body of
-    :func:`int8_matmul_acc` subtracts (times 128) for its unsigned activations."""
-    return wq.sum(dim=1, dtype=torch.int32).contiguous()
+    """Each int8 weight row's sum (int32, zeros to a whole tile: ``[ceil(n / 16) * 16]``): the
+    correction the VNNI body of :func:`int8_matmul_acc` subtracts (times 128) for its
+    unsigned activations."""
+    n = wq.shape[0]
+    sums = wq.sum(dim=1, dtype=torch.int32)
+    return torch.nn.functional.pad(sums, (0, -(-n // INT8_TILE_ROWS) * INT8_TILE_ROWS - n))
 
 
 def int8_matmul_has_vnni(lib: ctypes.CDLL | None = None) -> bool:
-    """True where :func:`int8_matmul_acc` has its AVX512-VNNI body (given ``wsum``)."""
-    lib = lib or kernel_library()
-    assert lib is not None, "call supports() first"
-    z = torch.zeros(1, 1, dtype=torch.int8)
-    out = torch.empty(1, 1, dtype=torch.int32)
-    s = torch.zeros(1, dtype=torch.int32)
-    return lib.int8_matmul_acc_vnni(z.data_ptr(), z.data_ptr(), s.data_ptr(), out.data_ptr(),
-                                    1, 1, 1) != -2
+    """True where :func:`int8_matmul_acc` runs its AVX512-VNNI body."""
+    return int8_matmul_isa(lib) == "avx512vnni"
 
 
 def int8_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
-    """Which body the int8 matmul was built with: ``avx512bw``, ``avx2`` or ``c``."""
+    """Which body the int8 matmul was built with: ``avx512vnni``, ``avx2`` or ``c``."""
     lib = lib or kernel_library()
     assert lib is not None, "call supports() first"
-    return {2: "avx512bw", 1: "avx2"}.get(lib.int8_matmul_isa(), "c")
+    return {2: "avx512vnni", 1: "avx2"}.get(lib.int8_matmul_isa(), "c")

@@ -256,11 +256,9 @@ class SmallBatchStack:
 
     def _int8_rows_fast(self, dtype: torch.dtype) -> bool:
         """True for a dense model of int8 and bfloat16 linears where the int8 kernel has its
-        AVX512-VNNI body, the bfloat16 one its register tiles, and oneDNN no AMX: up to 32
-        rows the C int8 body beats ``torch._int_mm`` (the 1B shape's 48 int8 linears at 32
-        rows 150 against 185-200 ms; at 64 rows 289 against 266), and one call saves the
-        op-by-op path's per-op overhead (its 32-sequence decode step 254 -> 185 ms, on a
-        2-core Zen 4)."""
+        AVX512-VNNI body, the bfloat16 one its register tiles, and oneDNN no AMX: one call
+        saves the op-by-op path's per-op overhead (the 1B shape's 32-sequence decode step
+        254 -> 185 ms on a 2-core Zen 4, with the row-major int8 body of the time)."""
         if (self.mode != "mixed" or self._has_moe or dtype != torch.bfloat16
                 or not cpu_kernels.small_matmul_is_fast(dtype)
                 or "AMX" in torch.backends.cpu.get_cpu_capability()):

@@ -102,9 +102,8 @@ int int8_dequant_f32(const int32_t *, const float *, const float *, const float 
                      int64_t, int64_t);
 int int8_dequant_bf16(const int32_t *, const float *, const float *, const uint16_t *,
                       uint16_t *, int64_t, int64_t);
-int int8_matmul_acc(const int8_t *, const int8_t *, int32_t *, int64_t, int64_t, int64_t);
-int int8_matmul_acc_vnni(const int8_t *, const int8_t *, const int32_t *, int32_t *, int64_t,
-                         int64_t, int64_t);
+int int8_matmul_acc(const int8_t *, const int8_t *, const int32_t *, int32_t *, int64_t, int64_t,
+                    int64_t);
 
 #define P(layer, i) ((const void *)(intptr_t)(layer)[i])
 
@@ -117,10 +116,10 @@ int int8_matmul_acc_vnni(const int8_t *, const int8_t *, const int32_t *, int32_
 enum { LIN_PLAIN = 0, LIN_INT8 = 1, LIN_GGUF = 2 };
 typedef struct {
     int64_t kind;
-    const void *w;       /* LIN_PLAIN: small_matmul's form; LIN_INT8: int8 rows [n, k];
+    const void *w;       /* LIN_PLAIN: small_matmul's form; LIN_INT8: int8 tiles (int8_matmul.c);
                           * LIN_GGUF: the blocks' qweight_t descriptor */
     const float *scale;  /* LIN_INT8: per output channel [n] */
-    const int32_t *wsum; /* LIN_INT8: each row's sum [n] (the VNNI body's), or NULL */
+    const int32_t *wsum; /* LIN_INT8: each row's sum (int8_matmul.c) */
 } linear_t;
 
 /* quantization="int8"'s linear, as Int8Linear.forward runs it op by op (the same row
@@ -134,8 +133,7 @@ typedef struct {
         int rc = xq && sx && acc ? 0 : -1;                                                      \
         if (rc == 0) {                                                                          \
             int8_quantize_rows_##SFX(x, xq, sx, m, k);                                          \
-            rc = l->wsum ? int8_matmul_acc_vnni(xq, l->w, l->wsum, acc, m, n, k) : -2;          \
-            if (rc == -2) rc = int8_matmul_acc(xq, l->w, acc, m, n, k);                         \
+            rc = int8_matmul_acc(xq, l->w, l->wsum, acc, m, n, k);                              \
             if (rc == 0) int8_dequant_##SFX(acc, sx, l->scale, bias, y, m, n);                  \
         }                                                                                       \
         free(xq);                                                                               \

@@ -1,244 +1,203 @@
-/* y = (xq @ Wq.T) * sx[:, None] * sw[None, :] (+ bias): the matmul of quantization="int8"
- * (CPU), for int8 weights per output channel and int8 activations per row.
+/* acc = xq @ Wq.T, exact int32 sums: the matmul of quantization="int8" (CPU), for int8 weights
+ * per output channel and int8 activations per row (the rescale after it is quant_matmul.c's
+ * int8_dequant).
  *
- * Why not torch._int_mm everywhere: oneDNN's int8 GEMM is fast where the CPU has VNNI or
- * AMX and the batch is large, but on a CPU without them (AVX2 only) and at decode's few
- * rows it runs far below the rate the int8 weights stream at (measured on an AVX2-only
- * 2-core CPU, 8192 x 2048 at one row: 25 ms, against 3.2 ms for the float32 F.linear that
- * reads four times the bytes).
+ * Layout: the weight rows regrouped by 16 into tiles (cpu_kernels.int8_tile_weights makes
+ * them, once at load), the same interleaving as the GGUF tiles of quant_matmul.c without
+ * their scales: tile g holds rows 16g..16g+15 as kp / 4 lines of 64 bytes, line j holding
+ * bytes 4j..4j+3 of each of the 16 rows in row order (kp = k rounded up to 4; rows past n and
+ * bytes past k are zeros). One 64-byte load then feeds 16 output rows, and 4 activation bytes
+ * broadcast to every lane meet them in one dot-product instruction, so every sum stays in a
+ * vector lane of its own: no horizontal sums, no shuffles.
  *
- * The products are exact: each activation row is widened to int16 once per call, each weight
- * byte once per pass, and pairs of int16 products are summed into int32 lanes (madd), which
- * cannot overflow for |q| <= 127 and k < 2^16 (127 * 127 * 2 * k / 2 < 2^31). The maddubs
- * form (uint8 x int8 into saturating int16) would not be exact for signed activations. So
- * every body returns the integer sums torch._int_mm returns, and the rescale after it is
- * quant_matmul.c's int8_dequant either way.
+ * Why not torch._int_mm on row-major weights: oneDNN's int8 GEMM runs far below the weights'
+ * streaming rate at decode's few rows, on a CPU without VNNI at every size, and row-major
+ * weights leave a GEMV with a horizontal sum per output (the layout before this one: 4 x 4
+ * blocks, 40% of the VNNI rate at 32 rows). On a 2-core Zen 4, the 1B shape's o, gate/up and
+ * down linears at 32 rows: 850 / 755 / 783 GOP/s against 400 / 442 / 485 (row-major) and
+ * 348 / 390 / 267 (torch._int_mm); at 512 rows 844 / 762 / 798 against _int_mm's
+ * 785 / 657 / 730.
  *
- * Work: output columns in blocks of 4 weight rows, activation rows in blocks of up to 4, so
- * that each widened weight vector feeds up to 4 rows and each activation vector 4 weight
- * rows (16 accumulators with AVX-512, 16 of the 16 ymm registers' worth of sums with AVX2
- * held as 4 x 4). Columns are split across OpenMP threads.
- * Built and loaded by forerun/model/cpu_kernels.py.
- */
+ * Bodies (int8_matmul_isa): AVX512-VNNI takes 4 tiles (64 output rows) x up to 4 activation
+ * rows per pass, 16 accumulators; vpdpbusd multiplies unsigned by signed bytes, so the
+ * activations go in as xu = x + 128 (x ^ 0x80; |x| <= 127, so 1..255) and 128 * sum(w) of
+ * each row (wsum, made at load) comes off again. AVX2 (also the AVX-512 build without VNNI):
+ * one tile as two 8-row halves, the weight's sign moved onto the activation so that maddubs
+ * multiplies |w| (unsigned) by +-x, exact since 127 * 127 * 2 < 2^15, then madd into int32
+ * lanes. Plain C elsewhere. The sums are exact in every body: |lane| <= 255 * 127 * kp / 4
+ * < 2^31 for k < 2^16, as torch._int_mm's are.
+ * Built and loaded by forerun/model/cpu_kernels.py. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-#define MB 4 /* activation rows per pass over a block of weight rows */
-#define NB 4 /* weight rows per block */
+#define GR 16 /* weight rows per tile */
+#define MR 4  /* activation rows per pass */
 
-/* The instruction set the body below was built for: 2 AVX-512BW, 1 AVX2, 0 plain C. */
-int int8_matmul_isa(void) {
-#if defined(__AVX512BW__) && defined(__AVX512F__)
-    return 2;
-#elif defined(__AVX2__)
-    return 1;
-#else
-    return 0;
-#endif
+static inline int32_t act4(const uint8_t *p) { /* 4 activation bytes as one lane */
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512F__)
-#define VW 32 /* int16 lanes per vector */
-typedef __m512i vec;
-static inline vec vzero(void) { return _mm512_setzero_si512(); }
-static inline vec widen(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
-static inline vec load16(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline vec madd_add(vec acc, vec a, vec b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
-static inline int32_t hsum(vec v) { return _mm512_reduce_add_epi32(v); }
-#elif defined(__AVX2__)
-#define VW 16
-typedef __m256i vec;
-static inline vec vzero(void) { return _mm256_setzero_si256(); }
-static inline vec widen(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
-static inline vec load16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline vec madd_add(vec acc, vec a, vec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-static inline int32_t hsum(vec v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-#endif
-
-/* acc[r][c] = sum_t x16[r][t] * w[c][t] for MR rows of x16 (int16, stride k) and NB weight
- * rows (int8, stride k). MR is a constant in each copy, so the MR x NB sums stay in
- * registers. */
-#ifdef VW
-#define DEFINE_DOT_BLOCK(MR)                                                                  \
-    static void dot_block_##MR(const int16_t *x16, const int8_t *w, int64_t k,              \
-                               int32_t acc[MB][NB]) {                                       \
-        vec s[MR][NB];                                                                      \
-        for (int r = 0; r < MR; ++r)                                                        \
-            for (int c = 0; c < NB; ++c) s[r][c] = vzero();                                 \
-        int64_t t = 0;                                                                      \
-        for (; t + VW <= k; t += VW) {                                                      \
-            const vec w0 = widen(w + t), w1 = widen(w + k + t);                             \
-            const vec w2 = widen(w + 2 * k + t), w3 = widen(w + 3 * k + t);                 \
-            for (int r = 0; r < MR; ++r) {                                                  \
-                const vec xv = load16(x16 + r * k + t);                                     \
-                s[r][0] = madd_add(s[r][0], xv, w0);                                        \
-                s[r][1] = madd_add(s[r][1], xv, w1);                                        \
-                s[r][2] = madd_add(s[r][2], xv, w2);                                        \
-                s[r][3] = madd_add(s[r][3], xv, w3);                                        \
-            }                                                                               \
-        }                                                                                   \
-        for (int r = 0; r < MR; ++r)                                                        \
-            for (int c = 0; c < NB; ++c) acc[r][c] = hsum(s[r][c]);                         \
-        for (; t < k; ++t)                                                                  \
-            for (int r = 0; r < MR; ++r)                                                    \
-                for (int c = 0; c < NB; ++c)                                                \
-                    acc[r][c] += (int32_t)x16[r * k + t] * (int32_t)w[c * k + t];           \
-    }
-DEFINE_DOT_BLOCK(1)
-DEFINE_DOT_BLOCK(2)
-DEFINE_DOT_BLOCK(3)
-DEFINE_DOT_BLOCK(4)
-#endif
-
-/* Any mr <= MB rows and nc <= NB weight rows: the vector copies for whole blocks, plain C
- * for a last block of fewer than NB weight rows (and everywhere without vectors). */
-static void dot_block(const int16_t *x16, const int8_t *w, int64_t k, int mr, int nc,
-                      int32_t acc[MB][NB]) {
-#ifdef VW
-    if (nc == NB) {
-        switch (mr) {
-        case 1: dot_block_1(x16, w, k, acc); return;
-        case 2: dot_block_2(x16, w, k, acc); return;
-        case 3: dot_block_3(x16, w, k, acc); return;
-        default: dot_block_4(x16, w, k, acc); return;
-        }
-    }
-#endif
-    for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < nc; ++c) {
-            int32_t sum = 0;
-            for (int64_t t = 0; t < k; ++t) sum += (int32_t)x16[r * k + t] * (int32_t)w[c * k + t];
-            acc[r][c] = sum;
-        }
-}
-
-/* ---- AVX512-VNNI ---------------------------------------------------------------------------
- * vpdpbusd multiplies unsigned by signed bytes and sums each 4 products into an int32 lane
- * (no saturation: the vpdpbusds form saturates), 64 weight bytes per instruction against
- * the madd body's widen + madd + add per 32. The activations are made unsigned as xu = x + 128
- * (x ^ 0x80 as a byte; |x| <= 127, so 1..255), which adds 128 * sum(w[c]) to row c's sum: the
- * caller's wsum, each weight row's sum, precomputed at load, takes it off again. The sums
- * stay exact: |lane| <= 255 * 127 * k / 16 < 2^31 for k < 2^16. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define HAVE_VNNI 1
-/* Bytes of each weight row prefetched ahead of the stream, into L2: prefetched into L1 the
- * four rows' lines evicted each other's (a 1B model's int8 linears at one row streamed at
- * 21 GB/s, into L2 at 27-28 GB/s, any distance from 8 to 64 KiB, on a 2-core Zen 4). */
+#define ISA 2
+#define NT 4 /* tiles per pass */
+#define FLIP 0x80u
+/* Bytes ahead of the line being read that each tile's stream is prefetched into L2 (the
+ * row-major body measured 21 -> 27 GB/s at one row with it on a 2-core Zen 4; into L1 the
+ * streams' lines evicted each other). */
 #define I8_AHEAD 16384
-#define DEFINE_VNNI_BLOCK(MR)                                                                 \
-    static void vnni_block_##MR(const uint8_t *xu, const int8_t *w, int64_t k,              \
-                                int32_t acc[MB][NB]) {                                      \
-        __m512i s[MR][NB];                                                                  \
-        for (int r = 0; r < MR; ++r)                                                        \
-            for (int c = 0; c < NB; ++c) s[r][c] = _mm512_setzero_si512();                  \
-        int64_t t = 0;                                                                      \
-        for (; t + 64 <= k; t += 64) {                                                      \
-            __m512i wv[NB];                                                                 \
-            for (int c = 0; c < NB; ++c) {                                                  \
-                _mm_prefetch((const char *)(w + c * k + t + I8_AHEAD), _MM_HINT_T1);        \
-                wv[c] = _mm512_loadu_si512(w + c * k + t);                                  \
-            }                                                                               \
-            for (int r = 0; r < MR; ++r) {                                                  \
-                const __m512i xv = _mm512_loadu_si512(xu + r * k + t);                      \
-                for (int c = 0; c < NB; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], xv, wv[c]); \
-            }                                                                               \
-        }                                                                                   \
-        if (t < k) { /* zeros past the row's end on both sides: products of 0 */            \
-            const __mmask64 mask = (__mmask64)(~0ULL >> (64 - (k - t)));                    \
-            __m512i wv[NB];                                                                 \
-            for (int c = 0; c < NB; ++c) wv[c] = _mm512_maskz_loadu_epi8(mask, w + c * k + t); \
-            for (int r = 0; r < MR; ++r) {                                                  \
-                const __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + r * k + t);           \
-                for (int c = 0; c < NB; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], xv, wv[c]); \
-            }                                                                               \
-        }                                                                                   \
-        for (int r = 0; r < MR; ++r)                                                        \
-            for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_reduce_add_epi32(s[r][c]);      \
+/* An empty asm that takes v in a register and may change it: without it GCC folded each
+ * weight line into every product as a memory operand (four loads of it, not one) and moved
+ * the 16 sums between registers and the stack every line (0.7x the rate). */
+#define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
+/* out[r][c * 16 + i] for R activation rows (xu, stride kp) and T tiles (t, stride ts);
+ * valid[c] of each tile's 16 rows are written (the last tile of a matrix may be short). */
+#define DEFINE_PASS(R, T)                                                                       \
+    static void pass_##R##_##T(const uint8_t *xu, int64_t kp, const int8_t *t, int64_t ts,      \
+                               const int32_t *wsum, int32_t *out, int64_t ldo,                  \
+                               const int *valid) {                                              \
+        __m512i s[R][T];                                                                        \
+        for (int r = 0; r < R; ++r)                                                             \
+            for (int c = 0; c < T; ++c) s[r][c] = _mm512_setzero_si512();                       \
+        for (int64_t j = 0; j < kp / 4; ++j) {                                                  \
+            __m512i w[T];                                                                       \
+            for (int c = 0; c < T; ++c) {                                                       \
+                _mm_prefetch((const char *)(t + c * ts + 64 * j + I8_AHEAD), _MM_HINT_T1);      \
+                w[c] = _mm512_loadu_si512((const void *)(t + c * ts + 64 * j));                 \
+                KEEP_IN_ZMM(w[c]);                                                              \
+            }                                                                                   \
+            for (int r = 0; r < R; ++r) {                                                       \
+                const __m512i a = _mm512_set1_epi32(act4(xu + r * kp + 4 * j));                 \
+                for (int c = 0; c < T; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], a, w[c]);    \
+            }                                                                                   \
+        }                                                                                       \
+        for (int c = 0; c < T; ++c) {                                                           \
+            const __mmask16 keep = (__mmask16)((1u << valid[c]) - 1);                           \
+            const __m512i off =                                                                 \
+                _mm512_slli_epi32(_mm512_loadu_si512((const void *)(wsum + c * GR)), 7);        \
+            for (int r = 0; r < R; ++r)                                                         \
+                _mm512_mask_storeu_epi32(out + r * ldo + c * GR, keep,                          \
+                                         _mm512_sub_epi32(s[r][c], off));                       \
+        }                                                                                       \
     }
-DEFINE_VNNI_BLOCK(1)
-DEFINE_VNNI_BLOCK(2)
-DEFINE_VNNI_BLOCK(3)
-DEFINE_VNNI_BLOCK(4)
 
-static void vnni_block(const uint8_t *xu, const int8_t *w, int64_t k, int mr,
-                       int32_t acc[MB][NB]) {
-    switch (mr) {
-    case 1: vnni_block_1(xu, w, k, acc); return;
-    case 2: vnni_block_2(xu, w, k, acc); return;
-    case 3: vnni_block_3(xu, w, k, acc); return;
-    default: vnni_block_4(xu, w, k, acc); return;
+#elif defined(__AVX2__)
+#define ISA 1
+#define NT 1
+#define FLIP 0u
+/* The AVX2 pass: one tile as two halves of 8 rows (a ymm of 8 rows x 4 bytes each). */
+#define DEFINE_PASS(R, T)                                                                       \
+    static void pass_##R##_##T(const uint8_t *xu, int64_t kp, const int8_t *t, int64_t ts,      \
+                               const int32_t *wsum, int32_t *out, int64_t ldo,                  \
+                               const int *valid) {                                              \
+        (void)ts, (void)wsum;                                                                   \
+        const __m256i ones = _mm256_set1_epi16(1);                                              \
+        __m256i s[R][2];                                                                        \
+        for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();                 \
+        for (int64_t j = 0; j < kp / 4; ++j) {                                                  \
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(t + 64 * j));               \
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(t + 64 * j + 32));          \
+            const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);         \
+            for (int r = 0; r < R; ++r) {                                                       \
+                const __m256i a = _mm256_set1_epi32(act4(xu + r * kp + 4 * j));                 \
+                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(     \
+                                                        u0, _mm256_sign_epi8(a, w0)), ones));   \
+                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(     \
+                                                        u1, _mm256_sign_epi8(a, w1)), ones));   \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; ++r) {                                                           \
+            int32_t v[GR];                                                                      \
+            _mm256_storeu_si256((__m256i *)v, s[r][0]);                                         \
+            _mm256_storeu_si256((__m256i *)(v + 8), s[r][1]);                                   \
+            memcpy(out + r * ldo, v, sizeof(int32_t) * (size_t)valid[0]);                       \
+        }                                                                                       \
     }
-}
+
+#else
+#define ISA 0
+#define NT 1
+#define FLIP 0u
+#define DEFINE_PASS(R, T)                                                                       \
+    static void pass_##R##_##T(const uint8_t *xu, int64_t kp, const int8_t *t, int64_t ts,      \
+                               const int32_t *wsum, int32_t *out, int64_t ldo,                  \
+                               const int *valid) {                                              \
+        (void)ts, (void)wsum;                                                                   \
+        for (int r = 0; r < R; ++r)                                                             \
+            for (int i = 0; i < valid[0]; ++i) {                                                \
+                int32_t sum = 0;                                                                \
+                for (int64_t j = 0; j < kp; ++j)                                                \
+                    sum += (int32_t)(int8_t)xu[r * kp + j] * (int32_t)t[64 * (j / 4) + 4 * i + j % 4]; \
+                out[r * ldo + i] = sum;                                                         \
+            }                                                                                   \
+    }
 #endif
 
-/* The sums of both entries below: with wsum (only where HAVE_VNNI), whole blocks on the VNNI
- * body over xu = x + 128 and a last partial block of weight rows on signed bytes as they are;
- * without it, dot_block over x widened to int16. */
-static int int8_sums(const int8_t *xq, const int8_t *wq, const int32_t *wsum, int32_t *out,
-                     int64_t m, int64_t n, int64_t k) {
-    const int vnni = wsum != NULL;
-    void *xp = malloc((size_t)(m * k) * (vnni ? 1 : sizeof(int16_t)));
-    if (!xp) return -1;
-    for (int64_t i = 0; i < m * k; ++i) {
-        if (vnni)
-            ((uint8_t *)xp)[i] = (uint8_t)xq[i] ^ 0x80u;
-        else
-            ((int16_t *)xp)[i] = xq[i];
+/* The instruction set the body below was built for: 2 AVX512-VNNI, 1 AVX2, 0 plain C. */
+int int8_matmul_isa(void) { return ISA; }
+
+DEFINE_PASS(1, 1)
+DEFINE_PASS(2, 1)
+DEFINE_PASS(3, 1)
+DEFINE_PASS(4, 1)
+#if NT > 1
+#define DEFINE_PASS_NT(R, T) DEFINE_PASS(R, T) /* T expanded before it is pasted */
+DEFINE_PASS_NT(1, NT)
+DEFINE_PASS_NT(2, NT)
+DEFINE_PASS_NT(3, NT)
+DEFINE_PASS_NT(4, NT)
+#endif
+
+/* Integer sums out [m, n] of xq [m, k] against the tiled weights (ceil(n / 16) tiles of
+ * 16 x kp bytes) and wsum [ceil(n / 16) * 16] (each weight row's sum, zeros past n; read by
+ * the VNNI body only); -1 if scratch cannot be had. */
+int int8_matmul_acc(const int8_t *xq, const int8_t *tiles, const int32_t *wsum, int32_t *out,
+                    int64_t m, int64_t n, int64_t k) {
+    const int64_t kp = (k + 3) / 4 * 4, groups = (n + GR - 1) / GR, ts = GR * kp;
+    /* the activations with the row stride kp, padded with zeros (x + 128 for VNNI) */
+    uint8_t *xu = malloc((size_t)(m * kp));
+    if (!xu) return -1;
+    for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < k; ++j) xu[r * kp + j] = (uint8_t)xq[r * k + j] ^ FLIP;
+        for (int64_t j = k; j < kp; ++j) xu[r * kp + j] = FLIP;
     }
-    const int64_t nblocks = (n + NB - 1) / NB;
+    const int64_t nblocks = (groups + NT - 1) / NT;
 #pragma omp parallel for schedule(static) if (n * k > 65536)
     for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t c0 = b * NB;
-        const int nc = (int)(n - c0 < NB ? n - c0 : NB);
-        for (int64_t r0 = 0; r0 < m; r0 += MB) {
-            const int mr = (int)(m - r0 < MB ? m - r0 : MB);
-            int32_t acc[MB][NB];
-            if (!vnni) {
-                dot_block((const int16_t *)xp + r0 * k, wq + c0 * k, k, mr, nc, acc);
-            } else if (nc == NB) {
-#ifdef HAVE_VNNI
-                vnni_block((const uint8_t *)xp + r0 * k, wq + c0 * k, k, mr, acc);
-                for (int r = 0; r < mr; ++r)
-                    for (int c = 0; c < NB; ++c) acc[r][c] -= 128 * wsum[c0 + c];
-#endif
-            } else {
-                for (int r = 0; r < mr; ++r)
-                    for (int c = 0; c < nc; ++c) {
-                        int32_t sum = 0;
-                        for (int64_t t = 0; t < k; ++t)
-                            sum += (int32_t)xq[(r0 + r) * k + t] * (int32_t)wq[(c0 + c) * k + t];
-                        acc[r][c] = sum;
-                    }
+        const int64_t g0 = b * NT, nt = groups - g0 < NT ? groups - g0 : NT;
+        int valid[NT];
+        for (int c = 0; c < nt; ++c) {
+            const int64_t left = n - (g0 + c) * GR;
+            valid[c] = (int)(left < GR ? left : GR);
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += MR) {
+            const int64_t mr = m - r0 < MR ? m - r0 : MR;
+            const uint8_t *x = xu + r0 * kp;
+            int32_t *o = out + r0 * n + g0 * GR;
+#define PASS(R, T) pass_##R##_##T(x, kp, tiles + (g0 + c) * ts, ts, wsum + (g0 + c) * GR, \
+                                  o + c * GR, n, valid + c)
+#define FOR_ROWS(T)                                                                          \
+    switch (mr) {                                                                            \
+    case 1: PASS(1, T); break;                                                               \
+    case 2: PASS(2, T); break;                                                               \
+    case 3: PASS(3, T); break;                                                               \
+    default: PASS(4, T); break;                                                              \
+    }
+#if NT > 1
+            if (nt == NT) {
+                const int64_t c = 0;
+                FOR_ROWS(NT)
+                continue;
             }
-            for (int r = 0; r < mr; ++r)
-                for (int c = 0; c < nc; ++c) out[(r0 + r) * n + c0 + c] = acc[r][c];
+#endif
+            for (int64_t c = 0; c < nt; ++c) FOR_ROWS(1)
+#undef FOR_ROWS
+#undef PASS
         }
     }
-    free(xp);
+    free(xu);
     return 0;
-}
-
-/* Integer sums acc [m, n] of xq [m, k] against wq [n, k] on AVX512-VNNI, given wsum [n] (each
- * weight row's sum); the same sums as int8_matmul_acc. -2 where this build has no VNNI body
- * (nothing is done), -1 if scratch cannot be had. */
-int int8_matmul_acc_vnni(const int8_t *xq, const int8_t *wq, const int32_t *wsum, int32_t *out,
-                         int64_t m, int64_t n, int64_t k) {
-#ifdef HAVE_VNNI
-    return int8_sums(xq, wq, wsum, out, m, n, k);
-#else
-    (void)xq, (void)wq, (void)wsum, (void)out, (void)m, (void)n, (void)k;
-    return -2;
-#endif
-}
-
-/* Integer sums acc [m, n] of xq [m, k] against wq [n, k]; -1 if scratch cannot be had. */
-int int8_matmul_acc(const int8_t *xq, const int8_t *wq, int32_t *out, int64_t m, int64_t n,
-                    int64_t k) {
-    return int8_sums(xq, wq, NULL, out, m, n, k);
 }

@@ -4,9 +4,9 @@ At load every decoder-layer linear weight ``W`` ``[n, k]`` becomes ``q = round(W
 with ``s_w = max|W[j, :]| / 127`` per output row ``j`` (from whatever the checkpoint holds:
 a Hugging Face folder's floats, or a GGUF's dequantized values). At run time each token's
 activation row gets its own scale the same way (dynamic, symmetric), the product is an
-int8 x int8 -> int32 GEMM (``torch._int_mm``: oneDNN's int8 kernels on CPU, twice the
-arithmetic rate of its bf16 ones on CPUs with VNNI/AMX; ``csrc/int8_matmul.c`` for decode's
-few rows, and everywhere on a CPU without those instructions), and the result is scaled back
+int8 x int8 -> int32 GEMM (``csrc/int8_matmul.c`` on the weights regrouped into tiles of 16
+rows at load, at every row count; with AMX, ``torch._int_mm`` past a few rows: oneDNN's
+AMX-INT8 kernels), and the result is scaled back
 by ``s_x[i] * s_w[j]`` (``csrc/quant_matmul.c`` fuses the quantize and the rescale, each one
 pass over memory). A mixture-of-experts layer's experts become int8 the same way, each
 expert's gate/up and down rows per output channel; its router stays in the model's dtype.
@@ -43,20 +43,22 @@ def _int32_workspace(m: int, n: int) -> torch.Tensor:
     return buf[: m * n].view(m, n)
 
 
-# Rows up to which csrc/int8_matmul.c runs instead of torch._int_mm where oneDNN has int8
-# dot-product instructions (VNNI, AMX): at decode's few rows oneDNN's int8 GEMM runs far
-# below the weights' streaming rate. Without them (AVX2 only) oneDNN's int8 path is slower
-# than the C kernel at every size, so the C kernel takes everything.
-OWN_KERNEL_MAX_ROWS = 16
-_onednn_int8_fast: bool | None = None
+# Rows up to which csrc/int8_matmul.c runs where oneDNN's int8 GEMM has AMX: past them
+# ``torch._int_mm`` (AMX-INT8 tiles) on rows untiled per call. Everywhere else the C kernel
+# takes every row count: with AVX512-VNNI it beat ``_int_mm`` at 32 rows by 1.5-2.6x and at
+# 512 rows by 0.9-1.2x (the 1B shape's linears, csrc/int8_matmul.c); without VNNI oneDNN's
+# int8 path is slower still. The AMX bound is an estimate, not a measurement: untiling is a
+# pass over the weights (at 32 rows about what AMX saves over the VNNI tiles), which more
+# rows share.
+OWN_KERNEL_MAX_ROWS = 32
+_onednn_int8_amx: bool | None = None
 
 
 def _own_kernel_for(rows: int) -> bool:
-    global _onednn_int8_fast
-    if _onednn_int8_fast is None:
-        _onednn_int8_fast = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") \
-            or "AMX" in torch.backends.cpu.get_cpu_capability()
-    return rows <= OWN_KERNEL_MAX_ROWS or not _onednn_int8_fast
+    global _onednn_int8_amx
+    if _onednn_int8_amx is None:
+        _onednn_int8_amx = "AMX" in torch.backends.cpu.get_cpu_capability()
+    return rows <= OWN_KERNEL_MAX_ROWS or not _onednn_int8_amx
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +77,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, s = quantize_weight_int8(weight)
-        # [k, n] with n contiguous is a transposed view of the [n, k] rows: torch._int_mm
-        # takes it as the column-major B operand without a copy.
-        self.weight_q = q
+        # The one copy of the int8 weights, in csrc/int8_matmul.c's tiles
+        # (cpu_kernels.int8_tile_weights); weight_rows() gives them back as [n, k] rows.
+        self.weight_q = cpu_kernels.int8_tile_weights(q)
         self.weight_scale = s
         # Each row's sum: the AVX512-VNNI body multiplies unsigned activations (x + 128) and
         # takes 128 * this off again (csrc/int8_matmul.c).
@@ -89,7 +91,7 @@ class Int8Linear(nn.Module):
         if x.device.type != "cpu":
             # torch._int_mm's GPU kernels refuse small row counts (decode): there the int8
             # weights are dequantized per call (weight-only int8).
-            w = (self.weight_q.to(torch.float32) * self.weight_scale[:, None]).to(x.dtype)
+            w = (self.weight_rows().to(torch.float32) * self.weight_scale[:, None]).to(x.dtype)
             y = torch.nn.functional.linear(flat, w, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
         kernels = cpu_kernels.supports(x.dtype, x.device) and (
@@ -103,13 +105,13 @@ class Int8Linear(nn.Module):
             xq = torch.round(xf * inv[:, None]).to(torch.int8)
         if kernels and _own_kernel_for(xq.shape[0]):
             acc = cpu_kernels.int8_matmul_acc(
-                xq, self.weight_q, _int32_workspace(xq.shape[0], self.out_features),
-                wsum=self.weight_sum)
+                xq, self.weight_q, self.weight_sum, self.out_features,
+                _int32_workspace(xq.shape[0], self.out_features))
         elif kernels:
-            acc = torch._int_mm(xq, self.weight_q.t(),
+            acc = torch._int_mm(xq, self.weight_rows().t(),
                                 out=_int32_workspace(xq.shape[0], self.out_features))
         else:
-            acc = torch._int_mm(xq, self.weight_q.t())
+            acc = torch._int_mm(xq, self.weight_rows().t())
         if kernels:
             y = cpu_kernels.int8_dequant(acc, sx, self.weight_scale, self.bias, x.dtype)
         else:
@@ -119,8 +121,12 @@ class Int8Linear(nn.Module):
             y = yf.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def weight_rows(self) -> torch.Tensor:
+        """The int8 weights as ``[out_features, in_features]`` rows (a new tensor)."""
+        return cpu_kernels.int8_tiles_to_rows(self.weight_q, self.out_features, self.in_features)
+
     def resident_tensors(self) -> list[torch.Tensor]:
-        """int8 rows, scales and row sums (for
+        """int8 tiles, scales and row sums (for
         :func:`forerun.model.quant.resident_weight_bytes`)."""
         return [self.weight_q, self.weight_scale, self.weight_sum]
 
