@@ -35,6 +35,13 @@
 #define GR 16 /* weight rows per tile */
 #define MR 4  /* activation rows per pass */
 
+/* Every body's pass (DEFINE_PASS): out[r][c * 16 + i] for R activation rows (xu, stride kp)
+ * against T tiles (t, tile stride ts), valid[c] of each tile's 16 rows written (the last
+ * tile of a matrix may be short). */
+#define PASS_HEAD(R, T)                                                                         \
+    static void pass_##R##_##T(const uint8_t *xu, int64_t kp, const int8_t *t, int64_t ts,      \
+                               const int32_t *wsum, int32_t *out, int64_t ldo, const int *valid)
+
 static inline int32_t act4(const uint8_t *p) { /* 4 activation bytes as one lane */
     int32_t v;
     memcpy(&v, p, sizeof v);
@@ -53,12 +60,8 @@ static inline int32_t act4(const uint8_t *p) { /* 4 activation bytes as one lane
  * weight line into every product as a memory operand (four loads of it, not one) and moved
  * the 16 sums between registers and the stack every line (0.7x the rate). */
 #define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
-/* out[r][c * 16 + i] for R activation rows (xu, stride kp) and T tiles (t, stride ts);
- * valid[c] of each tile's 16 rows are written (the last tile of a matrix may be short). */
 #define DEFINE_PASS(R, T)                                                                       \
-    static void pass_##R##_##T(const uint8_t *xu, int64_t kp, const int8_t *t, int64_t ts,      \
-                               const int32_t *wsum, int32_t *out, int64_t ldo,                  \
-                               const int *valid) {                                              \
+    PASS_HEAD(R, T) {                                                                           \
         __m512i s[R][T];                                                                        \
         for (int r = 0; r < R; ++r)                                                             \
             for (int c = 0; c < T; ++c) s[r][c] = _mm512_setzero_si512();                       \
@@ -84,15 +87,14 @@ static inline int32_t act4(const uint8_t *p) { /* 4 activation bytes as one lane
         }                                                                                       \
     }
 
-#elif defined(__AVX2__)
-#define ISA 1
+#else /* one tile per pass, signed activations */
 #define NT 1
 #define FLIP 0u
+#if defined(__AVX2__)
+#define ISA 1
 /* The AVX2 pass: one tile as two halves of 8 rows (a ymm of 8 rows x 4 bytes each). */
 #define DEFINE_PASS(R, T)                                                                       \
-    static void pass_##R##_##T(const uint8_t *xu, int64_t kp, const int8_t *t, int64_t ts,      \
-                               const int32_t *wsum, int32_t *out, int64_t ldo,                  \
-                               const int *valid) {                                              \
+    PASS_HEAD(R, T) {                                                                           \
         (void)ts, (void)wsum;                                                                   \
         const __m256i ones = _mm256_set1_epi16(1);                                              \
         __m256i s[R][2];                                                                        \
@@ -119,12 +121,8 @@ static inline int32_t act4(const uint8_t *p) { /* 4 activation bytes as one lane
 
 #else
 #define ISA 0
-#define NT 1
-#define FLIP 0u
 #define DEFINE_PASS(R, T)                                                                       \
-    static void pass_##R##_##T(const uint8_t *xu, int64_t kp, const int8_t *t, int64_t ts,      \
-                               const int32_t *wsum, int32_t *out, int64_t ldo,                  \
-                               const int *valid) {                                              \
+    PASS_HEAD(R, T) {                                                                           \
         (void)ts, (void)wsum;                                                                   \
         for (int r = 0; r < R; ++r)                                                             \
             for (int i = 0; i < valid[0]; ++i) {                                                \
@@ -134,6 +132,7 @@ static inline int32_t act4(const uint8_t *p) { /* 4 activation bytes as one lane
                 out[r * ldo + i] = sum;                                                         \
             }                                                                                   \
     }
+#endif
 #endif
 
 /* The instruction set the body below was built for: 2 AVX512-VNNI, 1 AVX2, 0 plain C. */
