@@ -127,19 +127,21 @@ def test_every_row_tail_of_the_four_row_bodies(gguf_paths, qtype: GT) -> None:
             _check(_run(lin, x[:m], path, lib), x[:m], _act_oracle(xd) @ wd.T, xd @ wd.T)
 
 
-@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q3_K], ids=lambda t: t.name)
 def test_prompt_sized_matmuls_through_the_expanded_tiles(gguf_paths, qtype: GT) -> None:
     """A call's chunk of rows (up to 256) runs against a group's tiles expanded to one byte
-    per value (ktile_gemm.c; in the 512-bit build 8 rows a pass, Q5_K and Q6_K from 32 rows,
-    Q4_K from 128; Q6_K against the activations plus 128): 128 rows, 131 (a 3-row tail pass)
-    and 300 (an expanded chunk of 256, then 44 rows, expanded for Q5_K and Q6_K only)."""
+    per value (ktile_gemm.c; in the 512-bit build 8 rows a pass, Q3_K (in Q6_K's form) from
+    16 rows, Q5_K and Q6_K from 32, Q4_K from 128; Q6_K and Q3_K against the activations plus
+    128): 20 rows (expanded for Q3_K alone: its activations plus 128 made for it), 128 rows,
+    131 (a 3-row tail pass) and 300 (an expanded chunk of 256, then 44 rows, expanded for all
+    but Q4_K)."""
     n, k = 19, 512
     raw = random_kblocks(qtype, n, k, np.random.default_rng(100 + int(qtype)))
     wd = dequantize(raw, qtype).astype(np.float64)
     lin = GGUFLinear([(int(qtype), torch.from_numpy(raw.copy()))], k)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(11))
     x[130, 64:96] = 0.0  # an all-zero activation block (scale 0)
-    for m in (128, 131, 300):
+    for m in (20, 128, 131, 300):
         xd = x[:m].double().numpy()
         for path, lib in gguf_paths:
             _check(_run(lin, x[:m], path, lib), x[:m], _act_oracle(xd) @ wd.T, xd @ wd.T)

@@ -47,7 +47,7 @@
 #define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
 
 int64_t ktile_expanded_bytes(int64_t type, int64_t nsb) {
-    return nsb * (type == QT_Q6_K ? X6_BYTES : XK_BYTES);
+    return nsb * (type == QT_Q6_K || type == QT_Q3_K ? X6_BYTES : XK_BYTES);
 }
 
 static void expand_kt(int q5, const uint8_t *t, uint8_t *x) {
@@ -100,9 +100,23 @@ static void expand_kt(int q5, const uint8_t *t, uint8_t *x) {
  * int32) to start the sum from; then each scale as an int32 lane ([c 16][16 rows]) and d as
  * 16 floats. The tile body instead takes the offset 32 back per 16 values in float, two FMAs
  * per row and block that compete with the byte products for the same units. */
+/* Line l of block j (w, int8 values of 16 rows) into the 512-bit Q6_K form, its per-row sums
+ * added to those of its 16 values (wsum[l / 4]). */
+static inline void x6_line(uint8_t *x, int j, int l, __m512i w, __m512i wsum[2]) {
+    wsum[l / 4] = _mm512_dpbusd_epi32(wsum[l / 4], _mm512_set1_epi8(1), w);
+    _mm512_storeu_si512((void *)(x + 64 * (8 * j + l)), w);
+}
+
+/* Block j's two starting sums, -128 sum(w) per 16 values. */
+static inline void x6_init(uint8_t *x, int j, const __m512i wsum[2]) {
+    for (int hs = 0; hs < 2; ++hs)
+        _mm512_storeu_si512((void *)(x + X6_INIT + 64 * (2 * j + hs)),
+                            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum[hs], 7)));
+}
+
 static void expand_q6k(const uint8_t *t, uint8_t *x) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), hi2 = _mm512_set1_epi8(0x30),
-                  off = _mm512_set1_epi8(32), ones = _mm512_set1_epi8(1);
+                  off = _mm512_set1_epi8(32);
     for (int j = 0; j < 8; ++j) {
         const int f = j / 4, q = j % 4;
         __m512i wsum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
@@ -117,17 +131,38 @@ static void expand_q6k(const uint8_t *t, uint8_t *x) {
                                : q == 2 ? qh
                                         : _mm512_srli_epi16(qh, 2);
             const __m512i w = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_and_si512(hb, hi2)), off);
-            wsum[g / 4] = _mm512_dpbusd_epi32(wsum[g / 4], ones, w);
-            _mm512_storeu_si512((void *)(x + 64 * (8 * j + g)), w);
+            x6_line(x, j, g, w, wsum);
         }
-        for (int hs = 0; hs < 2; ++hs)
-            _mm512_storeu_si512((void *)(x + X6_INIT + 64 * (2 * j + hs)),
-                                _mm512_sub_epi32(_mm512_setzero_si512(),
-                                                 _mm512_slli_epi32(wsum[hs], 7)));
+        x6_init(x, j, wsum);
     }
     for (int c = 0; c < 16; ++c)
         _mm512_storeu_si512((void *)(x + X6_SCP + 64 * c),
                             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + 32 + 16 * c))));
+    _mm512_storeu_ps((float *)(x + X6_D), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t)));
+}
+
+/* Q3_K in Q6_K's 512-bit form: w = q - 4 (value 128h + 32g + i is bits 2g..2g+1 of qs byte
+ * 32h + i plus 4 times bit 4h + g of hmask byte i, minus 4: -4..3), the sums' -128 sum(w)
+ * per 16 values, the scales minus 32, d. rows_q6k_m then computes d sc (q - 4) exactly as
+ * for Q6_K. */
+static void expand_q3k(const uint8_t *t, uint8_t *x) {
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    for (int j = 0; j < 8; ++j) { /* block of 32: half h, group g */
+        const int h = j / 4, g = j % 4;
+        __m512i wsum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int l = 0; l < 8; ++l) { /* values 4l..4l+3 of the block */
+            const __m512i q = _mm512_loadu_si512((const void *)(t + Q3T_QS + 64 * (8 * h + l)));
+            const __m512i hm = _mm512_loadu_si512((const void *)(t + Q3T_HM + 64 * l));
+            const __m512i hb = j <= 2 ? _mm512_slli_epi16(hm, 2 - j) : _mm512_srli_epi16(hm, j - 2);
+            const __m512i u = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 2 * g), three),
+                                              _mm512_and_si512(hb, four));
+            const __m512i w = _mm512_sub_epi8(u, four);
+            x6_line(x, j, l, w, wsum);
+        }
+        x6_init(x, j, wsum);
+    }
+    for (int c = 0; c < 16; ++c)
+        _mm512_storeu_si512((void *)(x + X6_SCP + 64 * c), q3k_scales16(t, c));
     _mm512_storeu_ps((float *)(x + X6_D), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t)));
 }
 #else
@@ -168,7 +203,9 @@ static void expand_q6k(const uint8_t *t, uint8_t *x) {
 #endif
 
 void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x) {
-    const int64_t tb = type == QT_Q6_K ? Q6T_BYTES : KT_BYTES(type == QT_Q5_K);
+    const int64_t tb = type == QT_Q6_K   ? Q6T_BYTES
+                       : type == QT_Q3_K ? Q3T_BYTES
+                                         : KT_BYTES(type == QT_Q5_K);
     for (int64_t b = 0; b < nsb; ++b) {
         /* The tiles come from memory once per call; the hardware prefetcher alone left the
          * expansion waiting on them. Into L2 from 32 KB ahead as well: Q5_K at 32 rows on a
@@ -179,6 +216,10 @@ void ktile_expand(int64_t type, const uint8_t *tiles, int64_t nsb, uint8_t *x) {
         }
         if (type == QT_Q6_K)
             expand_q6k(tiles + b * Q6T_BYTES, x + b * X6_BYTES);
+#ifdef KTILE_Q3K
+        else if (type == QT_Q3_K)
+            expand_q3k(tiles + b * Q3T_BYTES, x + b * X6_BYTES);
+#endif
         else
             expand_kt(type == QT_Q5_K, tiles + b * KT_BYTES(type == QT_Q5_K), x + b * XK_BYTES);
     }
@@ -288,7 +329,7 @@ void ktile_expanded_rows(int64_t type, const uint8_t *x, int64_t nsb, const int8
                          float out[][16], const uint8_t *pf, int64_t pf_lines) {
 #define ROWS(M)                                                                                 \
     case M:                                                                                     \
-        if (type == QT_Q6_K) rows_q6k_m(x, nsb, qa, sa, k, M, out, pf, pf_lines);                \
+        if (type == QT_Q6_K || type == QT_Q3_K) rows_q6k_m(x, nsb, qa, sa, k, M, out, pf, pf_lines); \
         else rows_kt_m(x, nsb, qa, sa, ssa, k, M, out, pf, pf_lines);                           \
         return
     switch (m) {

@@ -962,10 +962,6 @@ static inline __attribute__((always_inline)) __m512i scaled_dot16(__m512i dot, c
  * products of 16 values are weighted by their integer scale, one float FMA per block of 32,
  * and the offset (Q3_K's 4 d sc, Q2_K's dmin m) is taken back from the activations' sums per
  * 16. q2 is a compile-time constant in each instance. */
-#define Q3T_BYTES 1760 /* 16 x 110 */
-#define Q3T_SC 32
-#define Q3T_HM 224
-#define Q3T_QS 736
 #define Q2T_BYTES 1344 /* 16 x 84 */
 #define Q2T_SC 64
 #define Q2T_QS 320
@@ -983,11 +979,7 @@ static inline void low_scales16(const uint8_t *t, int c, int q2, __m512i *sc, __
         *off = _mm512_srli_epi32(v, 4);
         return;
     }
-    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + Q3T_SC + 16 * (c % 8))));
-    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + Q3T_SC + 16 * (8 + c % 4))));
-    const __m512i low4 = c < 8 ? _mm512_and_si512(lo, _mm512_set1_epi32(15)) : _mm512_srli_epi32(lo, 4);
-    const __m512i high2 = _mm512_and_si512(_mm512_srli_epi32(hi, 2 * (c / 4)), _mm512_set1_epi32(3));
-    *sc = _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
+    *sc = q3k_scales16(t, c);
     *off = *sc;
 }
 
@@ -1674,18 +1666,18 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
         if (rc != -2) return rc;
     }
     const int64_t nb = k / QK;
-    int with16 = 0, q6 = 0; /* the sums per 16 of Q6_K, Q3_K, Q2_K, where a part needs them */
+    int with16 = 0, plus128 = 0; /* the sums per 16 (Q6_K, Q3_K, Q2_K); see ubytes */
     for (int64_t p = 0; p < w->nparts; ++p) {
-        q6 |= w->type[p] == QT_Q6_K;
-        with16 |= w->type[p] == QT_Q6_K || w->type[p] == QT_Q3_K || w->type[p] == QT_Q2_K;
+        const int64_t t = w->type[p];
+        with16 |= t == QT_Q6_K || t == QT_Q3_K || t == QT_Q2_K;
+#ifdef KTILE_512 /* its expanded Q6_K body (Q3_K's too) multiplies the activations plus 128 */
+        plus128 |= (t == QT_Q6_K || t == QT_Q3_K) && m >= ktile_min_rows(t);
+#endif
     }
     /* One allocation: quantized rows, [the same plus 128 for the expanded Q6_K body,] then
      * scales and scaled sums (per 32, [per 16]). */
     const size_t qbytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    size_t ubytes = 0;
-#ifdef KTILE_512 /* its expanded Q6_K body multiplies the activations plus 128 */
-    if (q6 && m >= ktile_min_rows(QT_Q6_K)) ubytes = qbytes;
-#endif
+    const size_t ubytes = plus128 ? qbytes : 0;
     char *scratch = thread_scratch(qbytes + ubytes +
                                    sizeof(float) * (size_t)((with16 ? 4 : 2) * m * nb));
     if (!scratch) return -1;
@@ -1719,8 +1711,13 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                 const int64_t rows = w->rows[p] - r0 < GR ? w->rows[p] - r0 : GR;
                 const int64_t col = first_row[p] + r0;
 #ifdef KTILE_EXPANDED
+#ifdef KTILE_Q3K
+                const int expands = type == QT_Q3_K;
+#else
+                const int expands = 0;
+#endif
                 if (mc >= ktile_min_rows(type) &&
-                    (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K)) {
+                    (expands || type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K)) {
                     uint8_t *xt = expand_scratch((size_t)ktile_expanded_bytes(type, nt));
                     if (xt) {
                         ktile_expand(type, tiles, nt, xt);
@@ -1737,7 +1734,8 @@ int quant_matmul_rows_io(const void *x, int x_bf16, const qweight_t *w, void *y,
                             const int64_t mi = i + step <= i0 + mc ? step : i0 + mc - i;
                             float out[KTILE_MAX_ROWS][GR];
 #ifdef KTILE_512
-                            const int8_t *rows_q = (type == QT_Q6_K ? qu : qa) + i * k;
+                            const int8_t *rows_q =
+                                (type == QT_Q6_K || type == QT_Q3_K ? qu : qa) + i * k;
                             const int64_t done = (i - i0) / step * per_pass;
                             const int64_t todo = last || done >= glines ? 0
                                                : glines - done < per_pass ? glines - done
