@@ -24,7 +24,7 @@
  * each row (wsum, made at load) comes off again. AVX2 (also the AVX-512 build without VNNI):
  * one tile as two 8-row halves, the weight's sign moved onto the activation so that maddubs
  * multiplies |w| (unsigned) by +-x, exact since 127 * 127 * 2 < 2^15, then madd into int32
- * lanes. Plain C elsewhere. The sums are exact in every body: |lane| <= 255 * 127 * kp / 4
+ * lanes. Plain C elsewhere. The sums are exact in every body: |lane| <= 255 * 127 * kp
  * < 2^31 for k < 2^16, as torch._int_mm's are.
  * Built and loaded by forerun/model/cpu_kernels.py. */
 #include <immintrin.h>
@@ -159,12 +159,16 @@ int int8_matmul_acc(const int8_t *xq, const int8_t *tiles, const int32_t *wsum, 
     /* the activations with the row stride kp, padded with zeros (x + 128 for VNNI) */
     uint8_t *xu = malloc((size_t)(m * kp));
     if (!xu) return -1;
+    const int64_t nblocks = (groups + NT - 1) / NT;
+#pragma omp parallel if (n * k > 65536)
+    {
+    /* a prompt's rows on both cores too (512 x 8192 bytes: the down projection 3% faster) */
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
         for (int64_t j = 0; j < k; ++j) xu[r * kp + j] = (uint8_t)xq[r * k + j] ^ FLIP;
         for (int64_t j = k; j < kp; ++j) xu[r * kp + j] = FLIP;
     }
-    const int64_t nblocks = (groups + NT - 1) / NT;
-#pragma omp parallel for schedule(static) if (n * k > 65536)
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t g0 = b * NT, nt = groups - g0 < NT ? groups - g0 : NT;
         int valid[NT];
@@ -196,6 +200,7 @@ int int8_matmul_acc(const int8_t *xq, const int8_t *tiles, const int32_t *wsum, 
 #undef FOR_ROWS
 #undef PASS
         }
+    }
     }
     free(xu);
     return 0;
