@@ -5,7 +5,7 @@ with ``s_w = max|W[j, :]| / 127`` per output row ``j`` (from whatever the checkp
 a Hugging Face folder's floats, or a GGUF's dequantized values). At run time each token's
 activation row gets its own scale the same way (dynamic, symmetric), the product is an
 int8 x int8 -> int32 GEMM (``csrc/int8_matmul.c`` on the weights regrouped into tiles of 16
-rows at load, at every row count; with AMX, ``torch._int_mm`` past a few rows: oneDNN's
+rows at load, at every row count; with AMX, ``torch._int_mm`` past 32 rows: oneDNN's
 AMX-INT8 kernels), and the result is scaled back
 by ``s_x[i] * s_w[j]`` (``csrc/quant_matmul.c`` fuses the quantize and the rescale, each one
 pass over memory). A mixture-of-experts layer's experts become int8 the same way, each
