@@ -147,12 +147,12 @@ def test_int8_engine_async_equals_sync_on_the_stack(tmp_path: Path,
 def test_bfloat16_int8_stack_takes_decode_steps_of_up_to_32_rows_without_amx(
         folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the int8 VNNI body, the bfloat16 register tiles and no AMX under oneDNN, a
-    32-sequence decode step runs in one call (faster there than _int_mm op by op), with
+    32-sequence decode step runs in one call (faster there than op by op), with
     the op-by-op path's greedy tokens; elsewhere the stack keeps to 8 rows."""
     monkeypatch.delenv("FORERUN_SMALL_BATCH_TOKENS", raising=False)
     model = _load(folder, torch.bfloat16)
     fast = (cpu_kernels.small_matmul_is_fast(torch.bfloat16)
-            and cpu_kernels.int8_matmul_has_vnni()
+            and cpu_kernels.int8_matmul_isa() == "avx512vnni"
             and "AMX" not in torch.backends.cpu.get_cpu_capability())
     with torch.inference_mode():
         PagedDriver(model).step([("a", PROMPT)])  # settles the stack's mode

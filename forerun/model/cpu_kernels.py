@@ -783,11 +783,6 @@ def int8_weight_sums(wq: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(sums, (0, -(-n // INT8_TILE_ROWS) * INT8_TILE_ROWS - n))
 
 
-def int8_matmul_has_vnni(lib: ctypes.CDLL | None = None) -> bool:
-    """True where :func:`int8_matmul_acc` runs its AVX512-VNNI body."""
-    return int8_matmul_isa(lib) == "avx512vnni"
-
-
 def int8_matmul_isa(lib: ctypes.CDLL | None = None) -> str:
     """Which body the int8 matmul was built with: ``avx512vnni``, ``avx2`` or ``c``."""
     lib = lib or kernel_library()

@@ -265,7 +265,7 @@ class SmallBatchStack:
             return False
         kinds = {type(m) for _, m in self._layer_linears()}
         return (Int8Linear in kinds and GGUFLinear not in kinds
-                and cpu_kernels.int8_matmul_has_vnni())
+                and cpu_kernels.int8_matmul_isa() == "avx512vnni")
 
     def applies(self, x: torch.Tensor) -> bool:
         """True if a step whose embeddings are ``x`` ``[T, hidden]`` takes this path."""

@@ -109,6 +109,13 @@
  * whose lines are read out of order, went 1.10-1.2x faster with its prefetches spread over
  * the tile's blocks (at 8 rows too) instead of issued at its start. */
 #define PF_BYTES 32768
+/* A tile of `bytes` PF_BYTES ahead of t, into L2, as the group bodies take it at many rows.
+ * always_inline: see prefetch_act. */
+static inline __attribute__((always_inline)) void prefetch_tile_ahead(const uint8_t *t,
+                                                                      int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64)
+        _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+}
 
 /* ---- activations ------------------------------------------------------------------------ */
 /* Row of k floats -> int8 per block of 32, its scale s and s * sum(q); and, where ss16 is
@@ -247,9 +254,7 @@ static inline __attribute__((always_inline)) void group_rows_m(
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *t = tiles + b * tb, *lines = t + hdr;
-        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
-            for (int64_t o = 0; o < tb; o += 64)
-                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        if (m > 1) prefetch_tile_ahead(t, tb); /* one row: the hardware's alone */
         const __m512 d = mx ? e8m0_half16(t)
                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
         /* c = m (Q4_1, Q5_1), -8 d (Q4_0), -16 d (Q5_0), -128 d (Q8_0: u = q + 128), -12 d
@@ -545,9 +550,7 @@ static inline __attribute__((always_inline)) void group_kt_m(
     for (int64_t b = 0; b < nsb; ++b) {
         prefetch_act(qa, k, m, (b + 1) * 256, 256);
         const uint8_t *t = tiles + b * tb;
-        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
-            for (int64_t o = 0; o < tb; o += 64)
-                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        if (m > 1) prefetch_tile_ahead(t, tb); /* one row: the hardware's alone */
         __m128i c[12];
         for (int j = 0; j < 12; ++j) c[j] = _mm_loadu_si128((const __m128i *)(t + 64 + 16 * j));
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
@@ -788,9 +791,7 @@ static inline __attribute__((always_inline)) void group_iq4xs_m(
     for (int i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *t = tiles + b * IQ4XS_TILE;
-        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
-            for (int64_t o = 0; o < IQ4XS_TILE; o += 64)
-                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        if (m > 1) prefetch_tile_ahead(t, IQ4XS_TILE); /* one row: the hardware's alone */
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
         const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(t + 32)));
         for (int s = 0; s < 8; ++s) {
@@ -992,9 +993,7 @@ static inline __attribute__((always_inline)) void group_lowk_m(
     for (int i = 0; i < m; ++i) acc[i] = fix[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t *t = tiles + b * tb;
-        if (m > 1) /* one row: the hardware prefetcher alone (see PF_BYTES) */
-            for (int64_t o = 0; o < tb; o += 64)
-                _mm_prefetch((const char *)(t + PF_BYTES + o), _MM_HINT_T1);
+        if (m > 1) prefetch_tile_ahead(t, tb); /* one row: the hardware's alone */
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
         /* Q3_K: 4 d per unit of the offset factor; Q2_K: dmin */
         const __m512 dfix = q2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)))
